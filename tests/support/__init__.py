@@ -1,0 +1,1 @@
+"""Test-only scaffolding for running Megatron-Core on CPU process groups."""

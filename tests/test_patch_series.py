@@ -1,0 +1,84 @@
+"""The patch tooling: check, apply to a checkout, refuse a wrong base or a patched tree."""
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = [sys.executable, str(ROOT / "tools" / "patch_series.py")]
+
+
+def run_tool(*args):
+    return subprocess.run([*TOOL, *args], capture_output=True, text=True)
+
+
+def git_checkout(sdist, dest):
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    (tree,) = Path(dest).iterdir()
+    env = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=tree, check=True)
+    subprocess.run(["git", *env, "commit", "-qm", "base"], cwd=tree, check=True)
+    return tree
+
+
+def test_series_applies_cleanly_with_headers(megatron_sdist):
+    proc = run_tool("check", megatron_sdist)
+    assert proc.returncode == 0, proc.stderr
+    series = (ROOT / "patches" / "series").read_text().split()
+    assert series and all(f"ok  {name}" in proc.stdout for name in series)
+
+
+def test_apply_to_checkout_then_refuse_second_time(megatron_sdist, tmp_path):
+    tree = git_checkout(megatron_sdist, tmp_path)
+    first = run_tool("apply", str(tree))
+    assert first.returncode == 0, first.stderr
+    changed = subprocess.run(["git", "diff", "--name-only"], cwd=tree, capture_output=True, text=True)
+    assert "megatron/core/transformer/moe/moe_utils.py" in changed.stdout
+    second = run_tool("apply", str(tree))
+    assert second.returncode == 1
+    assert "already has the megatron-r3 series applied" in second.stderr
+
+
+def test_refuse_wrong_base(megatron_sdist, tmp_path):
+    tree = git_checkout(megatron_sdist, tmp_path)
+    info = tree / "megatron/core/package_info.py"
+    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 15"))
+    proc = run_tool("apply", str(tree))
+    assert proc.returncode == 1
+    assert "Megatron-Core 0.15.1" in proc.stderr and "targets 0.16.1" in proc.stderr
+    assert subprocess.run(["git", "diff", "--quiet", "--", "megatron/core/transformer"], cwd=tree).returncode == 0
+
+
+def test_refuse_a_tree_that_is_not_megatron(tmp_path):
+    proc = run_tool("apply", str(tmp_path))
+    assert proc.returncode == 1 and "not a Megatron-LM checkout" in proc.stderr
+
+
+def test_check_rejects_a_patch_without_header(megatron_sdist, tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import patch_series
+
+    bad_dir = tmp_path / "patches"
+    bad_dir.mkdir()
+    first = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[0]).read_text()
+    body = first.split("\n---\n", 1)[1]
+    (bad_dir / "0001-bare.patch").write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + body)
+    (bad_dir / "series").write_text("0001-bare.patch\n")
+    monkeypatch.setattr(patch_series, "PATCH_DIR", bad_dir)
+    with pytest.raises(patch_series.SeriesError, match="Why:"):
+        patch_series.check_series(megatron_sdist)
+
+
+def test_installed_megatron_is_the_patched_fork():
+    import importlib.metadata
+
+    assert importlib.metadata.version("megatron-core") == "0.16.1+r3"
+    from megatron.core.transformer.moe import moe_utils
+
+    # 0001: the TE fallbacks exist even without TransformerEngine.
+    assert hasattr(moe_utils, "te_general_gemm")

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# make install: a .venv with pinned dependencies, the patched megatron-core
+# 0.16.1+r3, and megatron_r3 with its compiled extension.
+#
+#   PYTHON      interpreter to build the venv from (default: python3)
+#   WHEELHOUSE  folder of wheels and the megatron-core sdist: install offline
+#
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+SDIST_NAME=megatron_core-0.16.1.tar.gz
+SDIST_SHA256=86522feacfa5ef384a6ac627e7d88cf4866811aed3bc9b6c2a85cbf15cff91a3
+TORCH_CPU=torch==2.13.0
+
+step() { printf '\n==> %s\n' "$*"; }
+die() { printf 'make install: error: %s\n' "$*" >&2; exit 1; }
+
+command -v "$PYTHON" >/dev/null || die "'$PYTHON' not found; set PYTHON=/path/to/python3 (3.10 or newer)"
+"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null \
+  || die "$PYTHON is $("$PYTHON" -V 2>&1); Python 3.10 or newer is required"
+command -v patch >/dev/null || die "GNU patch is needed to apply patches/ (apt-get install patch)"
+"$PYTHON" -m venv --help >/dev/null 2>&1 || die "$PYTHON has no venv module (apt-get install python3-venv)"
+
+PIP_ARGS=(--disable-pip-version-check)
+if [ -n "${WHEELHOUSE:-}" ]; then
+  [ -d "$WHEELHOUSE" ] || die "WHEELHOUSE=$WHEELHOUSE is not a folder"
+  WHEELHOUSE=$(cd "$WHEELHOUSE" && pwd)
+  PIP_ARGS+=(--no-index --find-links "$WHEELHOUSE")
+fi
+
+# A CUDA torch already on the host (a GPU node's image) is reused, never replaced.
+host_torch_site=$("$PYTHON" - <<'EOF' 2>/dev/null || true
+import os, torch
+if torch.version.cuda:
+    print(os.path.dirname(os.path.dirname(torch.__file__)))
+EOF
+)
+
+step "virtual environment ($VENV)"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+VPY=$PWD/$VENV/bin/python
+export PATH=$PWD/$VENV/bin:$PATH
+site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -n "$host_torch_site" ]; then
+  # A .pth file, not --system-site-packages: the host python may itself be a venv.
+  echo "$host_torch_site" > "$site/_megatron_r3_host_torch.pth"
+  echo "reusing the host's CUDA torch from $host_torch_site"
+fi
+
+step "torch"
+if "$VPY" -c 'import torch' 2>/dev/null; then
+  "$VPY" -c 'import torch; print("torch", torch.__version__, "(cuda " + str(torch.version.cuda) + ")")'
+else
+  "$VPY" -m pip install "${PIP_ARGS[@]}" "$TORCH_CPU" \
+    || die "could not install $TORCH_CPU (offline? put its wheel in WHEELHOUSE)"
+fi
+
+step "pinned dependencies (requirements.txt)"
+"$VPY" -m pip install -q "${PIP_ARGS[@]}" -r requirements.txt \
+  || die "could not install requirements.txt (offline? put the wheels in WHEELHOUSE)"
+
+step "megatron-core 0.16.1 + patches/"
+digest=$("$VPY" tools/patch_series.py digest)
+stamp=$VENV/.megatron-r3-series
+installed=$("$VPY" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)
+if [ "$installed" = "0.16.1+r3" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ]; then
+  echo "megatron-core 0.16.1+r3 is up to date (series $digest)"
+else
+  mkdir -p build
+  sdist=build/$SDIST_NAME
+  if [ -n "${WHEELHOUSE:-}" ] && [ -f "$WHEELHOUSE/$SDIST_NAME" ]; then
+    cp "$WHEELHOUSE/$SDIST_NAME" "$sdist"
+  elif [ ! -f "$sdist" ]; then
+    [ -z "${WHEELHOUSE:-}" ] || die "$SDIST_NAME is not in WHEELHOUSE=$WHEELHOUSE"
+    "$VPY" -m pip download -q --no-deps --no-binary :all: megatron-core==0.16.1 -d build \
+      || die "could not download the megatron-core 0.16.1 sdist from PyPI"
+  fi
+  echo "$SDIST_SHA256  $sdist" | sha256sum -c --quiet - \
+    || die "$sdist does not match the pinned sha256 of megatron-core 0.16.1"
+  "$VPY" tools/patch_series.py build "$sdist" build/megatron-core
+  "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-build-isolation --no-deps ./build/megatron-core \
+    || die "pip could not install the patched megatron-core from build/megatron-core"
+  echo "$digest" > "$stamp"
+fi
+
+step "megatron_r3 and its csrc/ extension"
+"$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-build-isolation --no-deps -e . \
+  || die "building megatron_r3 failed (see the compiler output above)"
+"$VPY" - <<'EOF'
+import importlib.metadata as m
+import megatron_r3
+print("megatron-core", m.version("megatron-core"), "| megatron_r3", megatron_r3.__version__,
+      "| kernels:", megatron_r3.kernel_info())
+EOF
+echo
+echo "make install: done. Run 'make test'."

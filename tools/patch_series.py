@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Apply, check and build the megatron-r3 patch series.
+
+The series in ``patches/series`` targets Megatron-LM ``core_v0.16.1`` (commit
+55ac7082), which is the same tree as the PyPI sdist ``megatron-core==0.16.1``.
+
+Commands:
+  apply DIR     apply the series to a Megatron-LM checkout (or an extracted
+                sdist) after a dry run; refuses a wrong base or a patched tree.
+  check SDIST   apply the series to a pristine copy of the sdist and fail on
+                fuzz, offsets, or a patch without a header.
+  build SDIST OUT
+                extract SDIST into OUT, apply the series and stamp the version
+                as 0.16.1+r3, ready for ``pip install OUT``.
+"""
+
+import argparse
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCH_DIR = ROOT / "patches"
+BASE_VERSION = (0, 16, 1)
+LOCAL_LABEL = "r3"
+PACKAGE_INFO = Path("megatron/core/package_info.py")
+VERSION_LINE = "__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])"
+
+
+class SeriesError(RuntimeError):
+    """A user-facing failure: printed without a traceback."""
+
+
+def series_files():
+    """The patch files named in patches/series, in order."""
+    series = PATCH_DIR / "series"
+    names = [
+        line.strip()
+        for line in series.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    files = [PATCH_DIR / name for name in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise SeriesError(f"patches/series names files that do not exist: {missing}")
+    return files
+
+
+def series_digest():
+    """A digest of the whole series, so an install can tell it is up to date."""
+    digest = hashlib.sha256()
+    for path in series_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def check_header(path):
+    """Each patch starts with a Subject line and a body that says why and what."""
+    text = path.read_text()
+    head = text.split("\n---\n", 1)[0]
+    if not re.search(r"^Subject: .+", head, re.M):
+        raise SeriesError(f"{path.name}: no 'Subject:' header")
+    if "Why:" not in head or "What:" not in head:
+        raise SeriesError(f"{path.name}: the header must say 'Why:' and 'What:'")
+
+
+def base_version(tree):
+    """The (major, minor, patch) a Megatron tree declares, or None if it is not one."""
+    info = tree / PACKAGE_INFO
+    if not info.is_file():
+        return None
+    text = info.read_text()
+    parts = []
+    for name in ("MAJOR", "MINOR", "PATCH"):
+        match = re.search(rf"^{name} = (\d+)", text, re.M)
+        if not match:
+            return None
+        parts.append(int(match.group(1)))
+    return tuple(parts)
+
+
+def run_patch(tree, patch, dry_run, reverse=False):
+    """Apply one patch with GNU patch, refusing any fuzz; returns its output."""
+    cmd = ["patch", "-p1", "-F0", "--forward", "--no-backup-if-mismatch", "-i", str(patch)]
+    if reverse:
+        cmd[cmd.index("--forward")] = "--reverse"
+    if dry_run:
+        cmd.append("--dry-run")
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def is_git_checkout(tree):
+    proc = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], cwd=tree, capture_output=True, text=True
+    )
+    return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == tree.resolve()
+
+
+def refuse_wrong_base(tree):
+    version = base_version(tree)
+    if version is None:
+        raise SeriesError(
+            f"{tree} is not a Megatron-LM checkout or megatron-core sdist "
+            f"({PACKAGE_INFO} not found)"
+        )
+    if version != BASE_VERSION:
+        want = ".".join(map(str, BASE_VERSION))
+        have = ".".join(map(str, version))
+        raise SeriesError(
+            f"{tree} is Megatron-Core {have}; the series targets {want} "
+            "(Megatron-LM tag core_v0.16.1, commit 55ac7082)"
+        )
+
+
+def apply_series(tree):
+    """Apply the series to a checkout: check it all first, then apply."""
+    tree = Path(tree).resolve()
+    refuse_wrong_base(tree)
+    files = series_files()
+    for path in files:
+        check_header(path)
+    if is_git_checkout(tree):
+        # git applies a list of patches in order, so one --check covers the series.
+        reverse = subprocess.run(
+            ["git", "apply", "--check", "--reverse", *map(str, reversed(files))],
+            cwd=tree, capture_output=True, text=True,
+        )
+        if reverse.returncode == 0:
+            raise SeriesError(f"{tree} already has the megatron-r3 series applied")
+        check = subprocess.run(
+            ["git", "apply", "--check", *map(str, files)], cwd=tree, capture_output=True, text=True
+        )
+        if check.returncode != 0:
+            raise SeriesError(f"the series does not apply to {tree}:\n{check.stderr}")
+        subprocess.run(["git", "apply", *map(str, files)], cwd=tree, check=True)
+    else:
+        code, _ = run_patch(tree, files[0], dry_run=True, reverse=True)
+        if code == 0:
+            raise SeriesError(f"{tree} already has the megatron-r3 series applied")
+        # Later patches may depend on earlier ones, so rehearse on a copy: a failure
+        # must leave the user's tree untouched.
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copytree(tree / "megatron", Path(tmp) / "megatron")
+            for path in files:
+                code, out = run_patch(Path(tmp), path, dry_run=False)
+                if code != 0:
+                    raise SeriesError(f"{path.name} does not apply to {tree}:\n{out}")
+        for path in files:
+            run_patch(tree, path, dry_run=False)
+    print(f"applied {len(files)} patches to {tree}")
+
+
+def extract_sdist(sdist, out):
+    """Extract the sdist's single top-level folder to `out` (replacing it)."""
+    out = Path(out).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (top,) = Path(tmp).iterdir()
+        top.rename(out)
+    return out
+
+
+def check_series(sdist):
+    """Apply every patch, in order, to a pristine sdist; fail on fuzz or offsets."""
+    files = series_files()
+    for path in files:
+        check_header(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = extract_sdist(sdist, Path(tmp) / "megatron-core")
+        refuse_wrong_base(tree)
+        for path in files:
+            code, out = run_patch(tree, path, dry_run=False)
+            if code != 0:
+                raise SeriesError(f"{path.name} does not apply:\n{out}")
+            if re.search(r"offset|fuzz", out, re.I):
+                raise SeriesError(f"{path.name} applies only with offsets or fuzz:\n{out}")
+            print(f"ok  {path.name}", flush=True)
+    print(f"{len(files)} patches apply cleanly to {Path(sdist).name}")
+
+
+def build_tree(sdist, out):
+    """Extract, patch and stamp the version: the tree `pip install` turns into 0.16.1+r3."""
+    tree = extract_sdist(sdist, out)
+    apply_series(tree)
+    info = tree / PACKAGE_INFO
+    text = info.read_text()
+    if text.count(VERSION_LINE) != 1:
+        raise SeriesError(f"cannot find the version line in {info}")
+    stamped = VERSION_LINE + f" + '+{LOCAL_LABEL}'"
+    info.write_text(text.replace(VERSION_LINE, stamped))
+    print(f"patched tree ready at {tree} (megatron-core 0.16.1+{LOCAL_LABEL})")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("apply").add_argument("tree")
+    sub.add_parser("check").add_argument("sdist")
+    build = sub.add_parser("build")
+    build.add_argument("sdist")
+    build.add_argument("out")
+    sub.add_parser("digest")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "apply":
+            apply_series(args.tree)
+        elif args.command == "check":
+            check_series(args.sdist)
+        elif args.command == "build":
+            build_tree(args.sdist, args.out)
+        elif args.command == "digest":
+            print(series_digest())
+    except SeriesError as err:
+        print(f"patch_series: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
