@@ -12,6 +12,13 @@ Commands:
   build SDIST OUT
                 extract SDIST into OUT, apply the series and stamp the version
                 as 0.16.1+r3, ready for ``pip install OUT``.
+  workspace SDIST DIR
+                make DIR a git checkout of the pristine sdist (tag 'base') with
+                one commit per patch (git am): edit, commit, then 'export'.
+  export REPO BASE
+                regenerate patches/ from the commits BASE..HEAD of a git
+                checkout of megatron-core (one commit per patch, its message
+                the header).
 """
 
 import argparse
@@ -202,6 +209,37 @@ def build_tree(sdist, out):
     print(f"patched tree ready at {tree} (megatron-core 0.16.1+{LOCAL_LABEL})")
 
 
+def make_workspace(sdist, out):
+    """A git checkout of the sdist, tagged 'base', with the series as commits."""
+    tree = extract_sdist(sdist, out)
+    ident = ["-c", "user.name=megatron-r3", "-c", "user.email=megatron-r3@localhost"]
+    git = lambda *args: subprocess.run(["git", *ident, *args], cwd=tree, check=True)
+    git("init", "-q")
+    (tree / ".git" / "info" / "exclude").write_text("*.so\n*.egg-info\nbuild/\n__pycache__/\n")
+    git("add", "-A")
+    git("commit", "-qm", "megatron-core 0.16.1 sdist")
+    git("tag", "base")
+    git("am", "-q", "--keep-cr", *map(str, series_files()))
+    print(f"workspace ready at {tree}: edit, commit, then "
+          f"'tools/patch_series.py export {tree} base'")
+
+
+def export_series(repo, base):
+    """Rewrite patches/ and patches/series from the commits base..HEAD of `repo`."""
+    for old in PATCH_DIR.glob("*.patch"):
+        old.unlink()
+    out = subprocess.run(
+        ["git", "format-patch", "--no-signature", "--zero-commit",
+         "-o", str(PATCH_DIR), f"{base}..HEAD"],
+        cwd=repo, capture_output=True, text=True, check=True,
+    ).stdout.split()
+    names = [Path(p).name for p in out]
+    (PATCH_DIR / "series").write_text("".join(n + "\n" for n in names))
+    for name in names:
+        check_header(PATCH_DIR / name)
+    print(f"exported {len(names)} patches to {PATCH_DIR}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +248,12 @@ def main(argv=None):
     build = sub.add_parser("build")
     build.add_argument("sdist")
     build.add_argument("out")
+    workspace = sub.add_parser("workspace")
+    workspace.add_argument("sdist")
+    workspace.add_argument("out")
+    export = sub.add_parser("export")
+    export.add_argument("repo")
+    export.add_argument("base")
     sub.add_parser("digest")
     args = parser.parse_args(argv)
     try:
@@ -219,6 +263,10 @@ def main(argv=None):
             check_series(args.sdist)
         elif args.command == "build":
             build_tree(args.sdist, args.out)
+        elif args.command == "workspace":
+            make_workspace(args.sdist, args.out)
+        elif args.command == "export":
+            export_series(args.repo, args.base)
         elif args.command == "digest":
             print(series_digest())
     except SeriesError as err:
