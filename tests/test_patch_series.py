@@ -82,3 +82,16 @@ def test_installed_megatron_is_the_patched_fork():
 
     # 0001: the TE fallbacks exist even without TransformerEngine.
     assert hasattr(moe_utils, "te_general_gemm")
+
+
+def test_a_late_conflict_leaves_the_tree_untouched(megatron_sdist, tmp_path):
+    tree = git_checkout(megatron_sdist, tmp_path)
+    # The last patch touches the schedules; a local edit there must stop the whole
+    # series before the first patch is written.
+    last = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[-1]).read_text()
+    target = last.split("diff --git a/", 1)[1].split()[0]
+    (tree / target).write_text("# a local change the series does not expect\n")
+    proc = run_tool("apply", str(tree))
+    assert proc.returncode == 1 and "does not apply" in proc.stderr
+    changed = subprocess.run(["git", "diff", "--name-only"], cwd=tree, capture_output=True, text=True)
+    assert changed.stdout.split() == [target]

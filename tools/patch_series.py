@@ -126,41 +126,42 @@ def refuse_wrong_base(tree):
         )
 
 
+def git_apply(tree, patch, *flags):
+    """`git apply` one patch at `tree`; returns (exit code, output)."""
+    proc = subprocess.run(
+        ["git", "apply", *flags, str(patch)], cwd=tree, capture_output=True, text=True
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def apply_series(tree):
-    """Apply the series to a checkout: check it all first, then apply."""
+    """Apply the series to a checkout, all or nothing.
+
+    The whole series is first rehearsed patch by patch (`git apply --check`, then
+    apply) on a scratch copy of the tree's megatron/ folder, because later patches
+    build on earlier ones. Only then is the real tree touched: with `git apply` in
+    a git checkout, with GNU patch elsewhere (an extracted sdist).
+    """
     tree = Path(tree).resolve()
     refuse_wrong_base(tree)
     files = series_files()
     for path in files:
         check_header(path)
-    if is_git_checkout(tree):
-        # git applies a list of patches in order, so one --check covers the series.
-        reverse = subprocess.run(
-            ["git", "apply", "--check", "--reverse", *map(str, reversed(files))],
-            cwd=tree, capture_output=True, text=True,
-        )
-        if reverse.returncode == 0:
-            raise SeriesError(f"{tree} already has the megatron-r3 series applied")
-        check = subprocess.run(
-            ["git", "apply", "--check", *map(str, files)], cwd=tree, capture_output=True, text=True
-        )
-        if check.returncode != 0:
-            raise SeriesError(f"the series does not apply to {tree}:\n{check.stderr}")
-        subprocess.run(["git", "apply", *map(str, files)], cwd=tree, check=True)
-    else:
-        code, _ = run_patch(tree, files[0], dry_run=True, reverse=True)
-        if code == 0:
-            raise SeriesError(f"{tree} already has the megatron-r3 series applied")
-        # Later patches may depend on earlier ones, so rehearse on a copy: a failure
-        # must leave the user's tree untouched.
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copytree(tree / "megatron", Path(tmp) / "megatron")
-            for path in files:
-                code, out = run_patch(Path(tmp), path, dry_run=False)
-                if code != 0:
-                    raise SeriesError(f"{path.name} does not apply to {tree}:\n{out}")
+    if run_patch(tree, files[0], dry_run=True, reverse=True)[0] == 0:
+        raise SeriesError(f"{tree} already has the megatron-r3 series applied")
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copytree(tree / "megatron", Path(scratch) / "megatron")
         for path in files:
-            run_patch(tree, path, dry_run=False)
+            code, out = git_apply(scratch, path, "--check")
+            if code == 0:
+                code, out = git_apply(scratch, path)
+            if code != 0:
+                raise SeriesError(f"{path.name} does not apply to {tree}:\n{out}")
+    in_git = is_git_checkout(tree)
+    for path in files:
+        code, out = git_apply(tree, path) if in_git else run_patch(tree, path, dry_run=False)
+        if code != 0:
+            raise SeriesError(f"{path.name} failed on {tree} after a clean rehearsal:\n{out}")
     print(f"applied {len(files)} patches to {tree}")
 
 
@@ -229,7 +230,7 @@ def export_series(repo, base):
     for old in PATCH_DIR.glob("*.patch"):
         old.unlink()
     out = subprocess.run(
-        ["git", "format-patch", "--no-signature", "--zero-commit",
+        ["git", "format-patch", "--no-signature", "--zero-commit", "--no-numbered",
          "-o", str(PATCH_DIR), f"{base}..HEAD"],
         cwd=repo, capture_output=True, text=True, check=True,
     ).stdout.split()
