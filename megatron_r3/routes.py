@@ -73,6 +73,7 @@ class RolloutRoutes:
         *,
         num_experts: int,
         layer_numbers: Sequence[int],
+        topk: Optional[int] = None,
         valid: Optional[np.ndarray] = None,
         num_tokens: Optional[int] = None,
         sample: Optional[int] = None,
@@ -84,6 +85,7 @@ class RolloutRoutes:
                 mean "no route" unless ``valid`` is given.
             num_experts: Routed experts per MoE layer.
             layer_numbers: 1-based global MoE layer numbers, increasing.
+            topk: Expected top-k (default: whatever ``ids`` has).
             valid: Optional bool ``[tokens, moe_layers]``; default: rows not all -1.
             num_tokens: Expected token count of the sample.
             sample: Sample index for error messages.
@@ -106,7 +108,7 @@ class RolloutRoutes:
             ids,
             valid,
             num_experts=num_experts,
-            topk=ids.shape[2],
+            topk=ids.shape[2] if topk is None else topk,
             layer_numbers=layer_numbers,
             num_tokens=num_tokens,
             sample=sample,
