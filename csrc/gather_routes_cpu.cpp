@@ -17,14 +17,19 @@ static void gather_rows(const at::Tensor& ids, const at::Tensor& valid, const at
   int64_t* dst = out.data_ptr<int64_t>();
   check_plan_bounds(tok, n, lay, layer_index.size(0), num_src_tokens, num_src_layers);
   at::parallel_for(0, rows, 2048, [&](int64_t begin, int64_t end) {
+    int64_t layer = begin / n, token = begin % n;  // walk rows in order; divide once per chunk
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t t = tok[row % n], l = lay[row / n];
+      const int64_t t = tok[token], s = t * num_src_layers + lay[layer];
       int64_t* o = dst + row * k;
-      const int64_t s = t * num_src_layers + l;
       if (t < 0 || !ok[s]) {
         for (int64_t j = 0; j < k; ++j) o[j] = -1;
       } else {
-        for (int64_t j = 0; j < k; ++j) o[j] = static_cast<int64_t>(src[s * k + j]);
+        const id_t* i = src + s * k;
+        for (int64_t j = 0; j < k; ++j) o[j] = static_cast<int64_t>(i[j]);
+      }
+      if (++token == n) {
+        token = 0;
+        ++layer;
       }
     }
   });
