@@ -25,7 +25,7 @@ Token placement matches Megatron:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -248,3 +248,20 @@ class RoutingPlan:
             num_source_tokens=int(np.sum(sample_lens)),
             num_source_layers=len(source_layer_numbers),
         )
+
+
+def chunk_plans(
+    rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int], split: PipelineSplit,
+    **layout,
+) -> list[RoutingPlan]:
+    """One plan per model chunk of ``rank.pp_rank``, in ``vp_stage`` order (one chunk without VP).
+
+    ``layout`` takes :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
+    """
+    vp = split.virtual_pipeline_model_parallel_size
+    stages = range(vp) if vp is not None and split.pipeline_model_parallel_size > 1 else [None]
+    return [
+        RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens, source_layer_numbers=source_layer_numbers,
+                          split=split, **layout)
+        for stage in stages
+    ]

@@ -7,12 +7,14 @@ there once per model chunk. The result, a :class:`PackedRoutes` per chunk, is
 what the router consumes; :meth:`PackedRoutes.wait` orders the consumer's stream
 after the side stream. Nothing in this path reads device memory from the host:
 no ``.item()``, ``.tolist()``, ``nonzero()``, no synchronous copies and no
-stream or event synchronisation (the GPU tests run it under
+stream synchronisation (the GPU tests run it under
 ``torch.cuda.set_sync_debug_mode("error")``).
 
 Pinned buffers are recycled once the copy that read them has finished (an
 event query, which never blocks); while every buffer is still in flight a new
-one is allocated, up to ``max_buffers``.
+one is allocated, up to ``max_buffers``. Only beyond that does the host wait,
+for the oldest copy: back-pressure when the host runs ``max_buffers``
+microbatches ahead of the GPU.
 """
 
 from __future__ import annotations

@@ -125,3 +125,17 @@ def test_bad_layouts_are_errors():
         thd_token_index([5], rank, padded_lens=[4])  # padding shorter than the sequence
     with pytest.raises(ValueError):
         RankLayout(cp_size=2, cp_rank=2)
+
+
+def test_chunk_plans_cover_every_moe_layer_once():
+    from megatron_r3.plan import chunk_plans
+
+    split = PipelineSplit(num_layers=12, pipeline_model_parallel_size=3, virtual_pipeline_model_parallel_size=2)
+    moe = (2, 3, 5, 6, 7, 9, 10, 12)
+    seen = []
+    for pp_rank in range(3):
+        plans = chunk_plans(RankLayout(pp_rank=pp_rank, cp_size=2), [9, 4], source_layer_numbers=moe, split=split,
+                            qkv_format="thd")
+        assert len(plans) == 2
+        seen += [n for p in plans for n in p.layer_numbers]
+    assert sorted(seen) == list(moe)
