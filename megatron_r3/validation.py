@@ -70,12 +70,31 @@ def validate_routes(
         )
     if ids.size == 0:
         return
-    out_of_range = ((ids < 0) | (ids >= num_experts)).any(axis=2) & valid
-    _raise_first(out_of_range, ids, layer_numbers, where, f"expert id outside [0, {num_experts})")
+    # Negative ids wrap to huge unsigned values, so one comparison checks both bounds.
+    unsigned = ids.view(np.dtype(f"u{ids.dtype.itemsize}")) if ids.dtype.kind == "i" else ids
+    if unsigned.max() >= num_experts:  # whole-array reduction first: the per-row mask is the slow path
+        out_of_range = (unsigned >= num_experts).any(axis=2) & valid
+        _raise_first(out_of_range, ids, layer_numbers, where, f"expert id outside [0, {num_experts})")
     if topk > 1:
-        ordered = np.sort(ids, axis=2)
-        repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2) & valid
+        # Narrow before the pairwise pass (4-8x less memory traffic); rows with ids out of range are invalid
+        # here, and whatever they wrap to is masked out below.
+        small = unsigned.astype(np.uint8 if num_experts <= 256 else np.uint16, copy=False)
+        repeated = _repeated_in_row(small) & valid
         _raise_first(repeated, ids, layer_numbers, where, "repeated expert id in one token's row")
+
+
+def _repeated_in_row(ids: np.ndarray) -> np.ndarray:
+    """[T, L] mask of rows holding an id twice. Pairwise compares beat a sort for the usual small top-k."""
+    topk = ids.shape[2]
+    if topk > 16:
+        ordered = np.sort(ids, axis=2)
+        return (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
+    columns = np.ascontiguousarray(np.moveaxis(ids, 2, 0))  # [topk, T, L]: contiguous compares
+    repeated = np.zeros(ids.shape[:2], dtype=np.bool_)
+    for i in range(topk):
+        for j in range(i + 1, topk):
+            repeated |= columns[i] == columns[j]
+    return repeated
 
 
 def _raise_first(bad: np.ndarray, ids: np.ndarray, layer_numbers: Sequence[int], where: str, what: str) -> None:
