@@ -12,8 +12,8 @@ stream synchronisation (the GPU tests run it under
 
 Pinned buffers are recycled once the copy that read them has finished (an
 event query, which never blocks); while every buffer is still in flight a new
-one is allocated, up to ``max_buffers``. Only beyond that does the host wait,
-for the oldest copy: back-pressure when the host runs ``max_buffers``
+one is allocated, up to ``max_buffers``. Only beyond that does the host wait
+for one of those copies: back-pressure when the host runs ``max_buffers``
 microbatches ahead of the GPU.
 """
 
@@ -137,7 +137,7 @@ class RouteUploader:
             if slot.free() and slot.host.numel() >= nbytes:
                 return slot
         if len(self._buffers) >= self.max_buffers:
-            # Drop the smallest idle buffer (or, all busy, the oldest one) to bound pinned memory.
+            # Bound pinned memory: drop the smallest idle buffer or, all busy, wait for the first one.
             idle = [s for s in self._buffers if s.free()]
             victim = min(idle, key=lambda s: s.host.numel()) if idle else self._buffers[0]
             if not idle:
