@@ -96,6 +96,8 @@ class RouteUploader:
             One :class:`PackedRoutes` per plan, in order. Call :meth:`PackedRoutes.wait`
             on the stream that consumes it.
         """
+        if not samples:
+            raise ValueError("a microbatch needs at least one sample")
         head = samples[0]
         num_tokens = sum(s.num_tokens for s in samples)
         for i, s in enumerate(samples):

@@ -50,6 +50,17 @@ def test_cpu_upload_matches_reference():
             torch.testing.assert_close(p.wait(), expected(samples, plan), rtol=0, atol=0)
 
 
+def test_cpu_upload_int16_ids_and_bshd():
+    spec = RoutingSpec(num_layers=8, moe_layer_numbers=SPEC.moe_layer_numbers, num_experts=300, topk=3)
+    rng = np.random.default_rng(4)
+    lens = [17, 3, 30]
+    samples = microbatch(rng, lens, spec)
+    assert samples[0].ids.dtype == np.int16
+    plans = chunk_plans(lens, dict(tp_size=2, tp_rank=0, sequence_parallel=True, cp_size=2, cp_rank=1), "bshd")
+    for p, plan in zip(RouteUploader("cpu").upload(samples, plans), plans):
+        torch.testing.assert_close(p.wait(), expected(samples, plan), rtol=0, atol=0)
+
+
 def test_upload_rejects_plan_for_another_microbatch():
     rng = np.random.default_rng(1)
     samples = microbatch(rng, [4, 4])
