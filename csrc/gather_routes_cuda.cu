@@ -44,19 +44,16 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t layer = layer0 + l;
     const int32_t src_token = __ldg(token_index + token0 + t);
     Vec<int64_t, VEC> result;
-    bool routed = false;
-    int64_t src_row = 0;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) result.v[i] = -1;
     if (src_token >= 0) {
-      src_row = static_cast<int64_t>(src_token) * num_src_layers + __ldg(layer_index + layer);
-      routed = valid[src_row];
-    }
-    if (routed) {
+      const int64_t src_row = static_cast<int64_t>(src_token) * num_src_layers + __ldg(layer_index + layer);
+      // Both loads are issued before either is waited on: the ids of an invalid row are in bounds, just unused.
       const Vec<id_t, VEC> packed = *reinterpret_cast<const Vec<id_t, VEC>*>(ids + src_row * topk + j);
+      if (valid[src_row]) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) result.v[i] = static_cast<int64_t>(packed.v[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) result.v[i] = -1;
+        for (int i = 0; i < VEC; ++i) result.v[i] = static_cast<int64_t>(packed.v[i]);
+      }
     }
     const int64_t dst = (static_cast<int64_t>(layer) * num_local_tokens + token0 + t) * topk + j;
     *reinterpret_cast<Vec<int64_t, VEC>*>(out + dst) = result;
