@@ -128,7 +128,8 @@ def from_sglang(
     """SGLang ``meta_info["routed_experts"]`` (base64 of flattened int32 ``[num_tokens - 1, num_layers, topk]``).
 
     Args:
-        meta_info: The response's ``meta_info`` dict, or the base64 payload.
+        meta_info: The response's ``meta_info`` dict, or its ``routed_experts`` payload
+            (base64, or an already decoded int32 array).
         spec: The model.
         num_tokens: The sample's token count; default ``prompt_tokens +
             completion_tokens`` from ``meta_info`` when present.
@@ -143,14 +144,17 @@ def from_sglang(
         payload = meta_info["routed_experts"]
         if num_tokens is None and "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
             num_tokens = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"])
-    raw = base64.b64decode(payload)
-    row = spec.num_layers * spec.topk * 4
-    if len(raw) % row:
+    if isinstance(payload, (str, bytes)):
+        flat = np.frombuffer(base64.b64decode(payload), dtype="<i4")
+    else:  # already decoded (a list or array of int32)
+        flat = _as_numpy(payload).reshape(-1)
+    row = spec.num_layers * spec.topk
+    if flat.size % row:
         raise RoutingValidationError(
-            f"sample {sample}: SGLang routed_experts holds {len(raw)} bytes, not a whole number of "
-            f"[{spec.num_layers} layers x top-{spec.topk}] int32 rows"
+            f"sample {sample}: SGLang routed_experts holds {flat.size} int32 values, not a whole number of "
+            f"[{spec.num_layers} layers x top-{spec.topk}] rows"
         )
-    flat = np.frombuffer(raw, dtype="<i4").reshape(-1, spec.num_layers, spec.topk)
+    flat = flat.reshape(-1, spec.num_layers, spec.topk)
     return _from_engine_rows(flat, spec, num_tokens, sample, "SGLang")
 
 

@@ -76,6 +76,8 @@ def test_sglang_meta_info():
     routes = from_sglang(meta, SPEC)
     assert routes.num_tokens == 9 and not routes.valid[8].any() and routes.valid[:8].all()
     np.testing.assert_array_equal(routes.to_int64()[:8], rows[:, [1, 2, 4, 5]])
+    decoded = from_sglang(rows.reshape(-1), SPEC)  # a payload someone already decoded
+    np.testing.assert_array_equal(decoded.to_int64(), routes.to_int64())
     meta["completion_tokens"] = 5
     with pytest.raises(RoutingValidationError, match="a sample of 10 tokens"):
         from_sglang(meta, SPEC, sample=1)
