@@ -3,9 +3,9 @@
 // Memory-bound by design. A block owns a tile of kTileTokens consecutive router tokens and up to
 // kTileLayers local layers. It walks the tile layer by layer; within a layer, consecutive threads produce
 // consecutive pairs of outputs (one load of two compact ids, one 16-byte store), so a warp writes 512
-// contiguous bytes per store. A source token's ids for all layers share a few 32-byte sectors; because the
-// whole tile runs in one block they are fetched from DRAM once and then hit L1, instead of once per
-// layer. The source row comes from the plan's int32 index maps; padding (-1) and invalid rows give -1.
+// contiguous bytes per store. A source token's ids for all layers share a few 32-byte sectors; because one
+// block walks all of a tile's layers, those sectors come from DRAM about once and then from cache, instead
+// of once per layer. The source row comes from the plan's int32 index maps; padding (-1) and invalid rows give -1.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
