@@ -75,3 +75,29 @@ def test_chunk_layer_numbers_skip_dense_layers():
     chunks = {(p, v): chunk_moe_layer_numbers(moe, split, p, v) for p in range(2) for v in range(2)}
     # Stage 0: layers [1,2] [5,6]; stage 1: [3,4] [7,8].
     assert chunks == {(0, 0): (2,), (1, 0): (4,), (0, 1): (5, 6), (1, 1): (8,)}
+
+
+def test_custom_pipeline_layout_matches_megatron(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    # pp=2, vp=2: stages in order (pp0,vp0) (pp1,vp0) (pp0,vp1) (pp1,vp1); 9 decoder layers, uneven.
+    layout = PipelineParallelLayerLayout("Ett|ttt|t|tttL", pipeline_model_parallel_size=2)
+    monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    config = SimpleNamespace(
+        num_layers=9, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+        pipeline_model_parallel_layout=layout,
+    )
+    split = PipelineSplit.from_config(config)
+    covered = []
+    for pp_rank in range(2):
+        for vp_stage in range(2):
+            offset = layout.get_layer_offset(vp_stage=vp_stage, pp_rank=pp_rank)
+            count = layout.get_num_layers_to_build(vp_stage=vp_stage, pp_rank=pp_rank)
+            assert split.layer_range(pp_rank, vp_stage) == range(offset, offset + count)
+            covered.extend(split.layer_range(pp_rank, vp_stage))
+    assert sorted(covered) == list(range(9))
