@@ -1,0 +1,1 @@
+"""Benchmarks for megatron-r3 (`make bench`, or `python -m bench --help`)."""

@@ -1,0 +1,89 @@
+// Thin pybind11 binding: argument checks, then dispatch on device to the kernel files.
+#include <torch/extension.h>
+
+#include "routes_kernels.h"
+
+namespace {
+
+void check_plan(const at::Tensor& token_index, const at::Tensor& layer_index, const at::Device& device) {
+  TORCH_CHECK(token_index.scalar_type() == at::kInt && layer_index.scalar_type() == at::kInt,
+              "token_index and layer_index must be int32");
+  TORCH_CHECK(token_index.dim() == 1 && layer_index.dim() == 1, "token_index and layer_index must be 1-D");
+  TORCH_CHECK(token_index.is_contiguous() && layer_index.is_contiguous(), "index maps must be contiguous");
+  TORCH_CHECK(token_index.device() == device && layer_index.device() == device,
+              "index maps must live on the routes' device");
+}
+
+void check_compact(const at::Tensor& ids, const at::Tensor& valid) {
+  TORCH_CHECK(ids.scalar_type() == at::kByte || ids.scalar_type() == at::kShort,
+              "compact ids must be uint8 or int16, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 3 && ids.is_contiguous(), "compact ids must be contiguous [tokens, layers, topk]");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous() && valid.dim() == 2 &&
+                  valid.size(0) == ids.size(0) && valid.size(1) == ids.size(1),
+              "valid must be contiguous bool [tokens, layers] matching ids");
+  TORCH_CHECK(valid.device() == ids.device(), "ids and valid must share a device");
+}
+
+// Returns expert_ids [layers, tokens, topk] int64 for this rank.
+at::Tensor gather_routes(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
+                         const at::Tensor& layer_index, c10::optional<at::Tensor> out_opt) {
+  check_compact(ids, valid);
+  check_plan(token_index, layer_index, ids.device());
+  const int64_t k = ids.size(2);
+  at::Tensor out = out_opt.has_value()
+                       ? *out_opt
+                       : at::empty({layer_index.size(0), token_index.size(0), k}, ids.options().dtype(at::kLong));
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.device() == ids.device() &&
+                  out.dim() == 3 && out.size(0) == layer_index.size(0) && out.size(1) == token_index.size(0) &&
+                  out.size(2) == k,
+              "out must be contiguous int64 [layers, tokens, topk] on the routes' device");
+  if (out.numel() == 0) return out;
+#ifdef R3_WITH_CUDA
+  if (ids.is_cuda()) {
+    r3::gather_routes_cuda(ids, valid, token_index, layer_index, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(ids.is_cpu(), "no kernel for device ", ids.device(), " in this build");
+  r3::gather_routes_cpu(ids, valid, token_index, layer_index, out);
+  return out;
+}
+
+// Writes this rank's recorded rows into the global compact layout, in place.
+void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index, const at::Tensor& layer_index,
+                    at::Tensor out_ids, at::Tensor out_valid) {
+  check_compact(out_ids, out_valid);
+  check_plan(token_index, layer_index, out_ids.device());
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong || expert_ids.scalar_type() == at::kInt,
+              "recorded expert ids must be int64 or int32");
+  TORCH_CHECK(expert_ids.dim() == 3 && expert_ids.is_contiguous() && expert_ids.size(0) == layer_index.size(0) &&
+                  expert_ids.size(1) == token_index.size(0) && expert_ids.size(2) == out_ids.size(2),
+              "recorded expert ids must be contiguous [layers, tokens, topk] matching the plan");
+  TORCH_CHECK(expert_ids.device() == out_ids.device(), "recorded ids and output must share a device");
+  if (expert_ids.numel() == 0) return;
+#ifdef R3_WITH_CUDA
+  if (expert_ids.is_cuda()) {
+    r3::scatter_routes_cuda(expert_ids, token_index, layer_index, out_ids, out_valid);
+    return;
+  }
+#endif
+  TORCH_CHECK(expert_ids.is_cpu(), "no kernel for device ", expert_ids.device(), " in this build");
+  r3::scatter_routes_cpu(expert_ids, token_index, layer_index, out_ids, out_valid);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron-r3 routing packing kernels (gather for replay, scatter for record)";
+#ifdef R3_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.def("gather_routes", &gather_routes, "compact routes -> this rank's expert_ids [layers, tokens, topk] int64",
+        py::arg("ids"), py::arg("valid"), py::arg("token_index"), py::arg("layer_index"),
+        py::arg("out") = py::none());
+  m.def("scatter_routes", &scatter_routes, "this rank's recorded expert_ids -> global compact routes (in place)",
+        py::arg("expert_ids"), py::arg("token_index"), py::arg("layer_index"), py::arg("out_ids"),
+        py::arg("out_valid"));
+}
