@@ -52,6 +52,7 @@ BSHD_LAYOUTS = [
 THD_LAYOUTS = [
     Layout(packed=True),
     Layout(cp=2, packed=True),
+    Layout(tp=2, sp=True, packed=True, recompute="selective"),
 ]
 
 
