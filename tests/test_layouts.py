@@ -13,14 +13,23 @@ router weights are scaled so logits spread over about N(0, 2^2)
 (``TinyMoE.router_logit_std``), and the reference run measures the top-k margin
 of every routing decision it makes and asserts it is at least ``MIN_MARGIN``,
 three orders of magnitude above the ~1e-6 differences between layouts. With a
-margin that large no layout can flip a choice, so any mismatch is a real bug.
+margin that large no layout can flip a choice, so any mismatch is a real bug;
+each layout's routing, mapped back to global token ids, must also equal the
+reference's exactly (which checks the router-row-to-token mapping too).
 """
 
 import pytest
 import torch
 
 from tests.support.batches import make_sequences
-from tests.support.harness import Step, full_grads, full_token_losses, router_margins, run_layout
+from tests.support.harness import (
+    Step,
+    full_grads,
+    full_token_losses,
+    router_margins,
+    routes,
+    run_layout,
+)
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
 from tests.support.tiny_moe import TinyMoE
@@ -78,11 +87,17 @@ def _checked_reference(result, data):
     grads = full_grads([result])
     for name, grad in grads.items():
         assert grad.abs().max() > 0, f"{name} has no gradient in the reference: a vacuous check"
-    return full_token_losses([result], data.num_tokens), grads
+    ref_routes = routes([result], data.num_tokens, MODEL.topk)
+    assert all((r >= 0).all() for r in ref_routes.values())
+    return full_token_losses([result], data.num_tokens), grads, ref_routes
 
 
 def _assert_matches(reference, results, data):
-    ref_losses, ref_grads = reference
+    ref_losses, ref_grads, ref_routes = reference
+    got_routes = routes(results, data.num_tokens, MODEL.topk)
+    assert got_routes.keys() == ref_routes.keys()
+    for layer, experts in ref_routes.items():
+        assert torch.equal(got_routes[layer], experts), f"layer {layer}: routing differs"
     losses = full_token_losses(results, data.num_tokens)
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
     grads = full_grads(results)

@@ -2,19 +2,18 @@
 
 ``run_layout`` is the worker (start it with ``launcher.run_workers``); the parent
 turns what the ranks return into layout-independent tensors with
-``full_token_losses`` and ``full_grads`` and compares them with a single-rank run.
+``full_token_losses``, ``full_grads`` and ``routes`` and compares them with a
+single-rank run.
 """
 
-import contextlib
 import dataclasses
-from typing import Optional
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.router import TopKRouter
 
 from tests.support.batches import Sequences, bshd_microbatches, thd_microbatches
 from tests.support.parallel import Layout, init_parallel
+from tests.support.routes import RouterRecorder, full_routes
 from tests.support.schedule import forward_backward
 from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
 from tests.support.weights import assemble, grad_shards, reduce_grads
@@ -50,8 +49,8 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     * ``"losses"``: ``(token_index, per_token_loss)`` 1-D CPU tensors of the tokens
       this rank computed a loss for (last pipeline stage; padding dropped);
     * ``"grads"``: ``[(Shard, grad)]`` of every local parameter (unless forward-only);
-    * ``"router_margins"``: ``{layer: min top-k margin}`` over the MoE layers this
-      rank ran, see :func:`record_router_margins`.
+    * ``"routes"`` and ``"router_margins"``: what a
+      :class:`~tests.support.routes.RouterRecorder` recorded on this rank.
     """
     device = init_parallel(layout)
     try:
@@ -63,9 +62,14 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
             )
         else:
             microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
-        with record_router_margins(chunks) as margins:
-            results = forward_backward(chunks, microbatches, forward_only=step.forward_only)
-        out = {"losses": _local_losses(results), "router_margins": margins}
+        recorder = RouterRecorder(chunks, config.sequence_parallel)
+        results = forward_backward(chunks, microbatches, step.forward_only, recorder)
+        recorder.remove()
+        out = {
+            "losses": _local_losses(results),
+            "routes": recorder.routes,
+            "router_margins": recorder.margins,
+        }
         if not step.forward_only:
             reduce_grads(chunks, config)
             out["grads"] = grad_shards(chunks)
@@ -81,47 +85,6 @@ def _local_losses(results: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     loss = torch.cat([r["per_token_loss"].reshape(-1) for r in results]).float().cpu()
     real = index >= 0
     return index[real], loss[real]
-
-
-@contextlib.contextmanager
-def record_router_margins(chunks):
-    """Record, per MoE layer, the smallest top-k margin of the router's decisions.
-
-    The margin of a token is ``logit[k-th best] - logit[(k+1)-th best]``: how far
-    its routing is from a tie. Yields a dict ``{global layer index: margin}`` that
-    fills as the model runs (minimum over every call, recompute included).
-    Valid for score functions that rank experts by their logits (softmax, and
-    sigmoid without expert bias).
-    """
-    margins = {}
-    handles = []
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if isinstance(module, TopKRouter):
-                layer = _layer_of(chunk, name)
-                handles.append(module.register_forward_hook(_margin_hook(margins, layer)))
-    try:
-        yield margins
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _layer_of(chunk, module_name: str) -> int:
-    local = int(module_name.split("decoder.layers.")[1].split(".")[0])
-    return chunk.decoder.layers[local].layer_number - 1
-
-
-def _margin_hook(margins: dict, layer: int):
-    def hook(router, args, output):
-        with torch.no_grad():
-            logits = router.gating(args[0]).reshape(-1, router.config.num_moe_experts).float()
-            k = router.topk
-            top = logits.topk(k + 1, dim=-1).values
-            margin = (top[:, k - 1] - top[:, k]).min().item()
-        margins[layer] = min(margin, margins.get(layer, float("inf")))
-
-    return hook
 
 
 def full_token_losses(results: list[dict], num_tokens: int, atol: float = 1e-6) -> torch.Tensor:
@@ -155,3 +118,8 @@ def router_margins(results: list[dict]) -> dict[int, float]:
         for layer, margin in result["router_margins"].items():
             out[layer] = min(margin, out.get(layer, float("inf")))
     return out
+
+
+def routes(results: list[dict], num_tokens: int, topk: int) -> dict[int, torch.Tensor]:
+    """The experts of every token per MoE layer, ``{layer: [num_tokens, k]}``."""
+    return full_routes([r["routes"] for r in results], num_tokens, topk)

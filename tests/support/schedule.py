@@ -1,23 +1,33 @@
 """Forward and backward through Megatron's real pipeline schedules."""
 
+import contextlib
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from tests.support.batches import Microbatch
+from tests.support.routes import RouterRecorder
 
 
-def forward_step(data_iterator, model):
-    """Megatron ``forward_step_func``: the GPT returns per-token losses."""
+def forward_step(data_iterator, model, recorder: Optional[RouterRecorder] = None):
+    """Megatron ``forward_step_func``: the GPT returns per-token losses.
+
+    Args:
+        data_iterator: Iterator over this model chunk's :class:`Microbatch` es.
+        model: The model chunk.
+        recorder: If given, records the routing of this forward pass.
+    """
     mb: Microbatch = next(data_iterator)
-    per_token_loss = model(
-        input_ids=mb.tokens,
-        position_ids=mb.position_ids,
-        attention_mask=None,
-        labels=mb.labels,
-        packed_seq_params=mb.packed_seq_params,
-    )
+    with recorder.microbatch(mb) if recorder else contextlib.nullcontext():
+        per_token_loss = model(
+            input_ids=mb.tokens,
+            position_ids=mb.position_ids,
+            attention_mask=None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed_seq_params,
+        )
     return per_token_loss, partial(loss_func, mb)
 
 
@@ -37,12 +47,24 @@ def loss_func(mb: Microbatch, per_token_loss: torch.Tensor):
 
 
 def forward_backward(
-    chunks: list[torch.nn.Module], microbatches: list[Microbatch], forward_only: bool = False
+    chunks: list[torch.nn.Module],
+    microbatches: list[Microbatch],
+    forward_only: bool = False,
+    recorder: Optional[RouterRecorder] = None,
+    forward_step_func=forward_step,
 ) -> list[dict]:
     """Run all microbatches through ``get_forward_backward_func()``.
 
     The schedule is the one Megatron picks from the parallel state: no pipelining,
     1F1B, or interleaved 1F1B with one data iterator per model chunk.
+
+    Args:
+        chunks: This rank's model chunks.
+        microbatches: This rank's microbatches, in order.
+        forward_only: Skip the backward passes.
+        recorder: Passed to ``forward_step_func`` to record routing.
+        forward_step_func: ``f(data_iterator, model, recorder)`` returning
+            ``(per_token_loss, loss_func)``; defaults to :func:`forward_step`.
 
     Returns:
         On the last pipeline stage, one ``{"per_token_loss", "token_index"}`` dict
@@ -51,7 +73,7 @@ def forward_backward(
     first = microbatches[0]
     data_iterator = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step_func, recorder=recorder),
         data_iterator=data_iterator,
         model=chunks,
         num_microbatches=len(microbatches),
