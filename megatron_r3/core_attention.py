@@ -146,7 +146,9 @@ class ContextParallelDotProductAttention(MegatronModule):
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         if packed_seq_params is None:
             q_pos = zigzag_positions(local_len, cp_size, cp_rank, device)
-            k_pos = torch.cat([zigzag_positions(local_len, cp_size, r, device) for r in range(cp_size)])
+            k_pos = torch.cat(
+                [zigzag_positions(local_len, cp_size, r, device) for r in range(cp_size)]
+            )
             return k_pos[None, :] <= q_pos[:, None]
 
         cu_padded = packed_seq_params.cu_seqlens_q_padded

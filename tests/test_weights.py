@@ -1,4 +1,4 @@
-"""Weights from a seed are the same full tensors under every layout; full weights load onto shards."""
+"""Seeded weights are the same full tensors under every layout; full weights load onto shards."""
 
 import pytest
 import torch
@@ -30,13 +30,18 @@ def test_reference_names_are_single_rank_names(reference):
     assert layers == set(range(MODEL.num_layers))
     for layer in MODEL.moe_layers:
         for expert in range(MODEL.num_experts):
-            assert f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight" in reference
+            name = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight"
+            assert name in reference
     assert "decoder.layers.0.mlp.linear_fc1.weight" in reference  # dense first layer
 
 
 @pytest.mark.parametrize(
     "layout",
-    [Layout(tp=2, sp=True, ep=2, etp=1, dp=2), Layout(pp=2, vp=2), Layout(pp=2, first_stage_layers=1)],
+    [
+        Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
+        Layout(pp=2, vp=2),
+        Layout(pp=2, first_stage_layers=1),
+    ],
     ids=lambda layout: layout.name,
 )
 def test_shards_assemble_to_the_same_full_weights(layout, reference):

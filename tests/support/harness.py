@@ -102,7 +102,7 @@ def full_token_losses(results: list[dict], num_tokens: int, atol: float = 1e-6) 
             assert err <= atol, f"ranks disagree on a token's loss by {err:.3g}"
         full[index] = loss
     missing = torch.isnan(full)
-    assert not missing.any(), f"no rank computed the loss of tokens {missing.nonzero().flatten().tolist()[:10]}"
+    assert not missing.any(), f"no rank computed tokens {missing.nonzero().flatten()[:10].tolist()}"
     return full
 
 

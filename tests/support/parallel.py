@@ -71,8 +71,6 @@ class Layout:
         return "-".join(parts) or "single"
 
 
-SINGLE = Layout()
-
 
 def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
     """Set up Megatron's parallel state and RNG for ``layout`` in this worker.
@@ -101,7 +99,3 @@ def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
         install_cpu_rng(seed)
     return device
 
-
-def dp_rank_and_size() -> tuple[int, int]:
-    """This rank's data-parallel rank and size (CP ranks share data)."""
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

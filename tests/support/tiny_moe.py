@@ -138,8 +138,12 @@ def build_gpt(
             transformer_layer_spec=get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope",
             vp_stage=vp_stage,
