@@ -57,11 +57,14 @@ BSHD_LAYOUTS = [
     # Expert-TP 1: expert-TP 2 needs uneven all_gather lists, which gloo lacks.
     Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
     Layout(pp=2, cp=2),
+    Layout(pp=2, ep=2, dp=2),
 ]
 THD_LAYOUTS = [
     Layout(packed=True),
     Layout(cp=2, packed=True),
     Layout(tp=2, sp=True, packed=True, recompute="selective"),
+    # Sequences padded to a multiple of 2 * cp * tp.
+    Layout(tp=2, sp=True, cp=2, packed=True),
 ]
 
 
