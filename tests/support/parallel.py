@@ -52,7 +52,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """A short id for test names, e.g. ``tp2-sp-ep2``."""
+        """A short id for test names, e.g. ``tp2-sp-ep2-dp2-alltoall``."""
         parts = []
         for field in ("tp", "pp", "vp", "cp", "ep", "etp", "dp"):
             value = getattr(self, field)
@@ -60,8 +60,10 @@ class Layout:
                 parts.append(f"{field}{value}")
                 if field == "tp" and self.sp:
                     parts.append("sp")
-        if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            parts.append(f"uneven{self.first_stage_layers}-{self.last_stage_layers}")
+        if self.first_stage_layers is not None:
+            parts.append(f"first{self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            parts.append(f"last{self.last_stage_layers}")
         if self.ep > 1:
             parts.append(self.dispatcher)
         if self.packed:
