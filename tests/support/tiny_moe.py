@@ -19,8 +19,8 @@ class TinyMoE:
 
     The defaults give 4 layers, dense-MoE-dense-MoE, 4 experts, top-2, grouped-query
     attention (4 heads, 2 groups), RoPE, fp32, no dropout, no load-balancing loss.
-    Linear layers have no biases, as in most MoE models (Megatron 0.16.1 rejects
-    MoE biases with expert-TP > 1).
+    Linear layers have no biases by default, as in most MoE models; with
+    ``add_bias_linear`` (Megatron supports MoE biases only with expert-TP 1) they do.
     """
 
     num_layers: int = 4
