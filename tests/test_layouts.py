@@ -52,6 +52,7 @@ BSHD_LAYOUTS = [
     Layout(ep=2, dp=2, dispatcher="allgather"),
     Layout(pp=2),
     Layout(pp=2, first_stage_layers=1, recompute="full"),
+    Layout(pp=2, last_stage_layers=1),
     Layout(pp=2, vp=2),
     Layout(cp=2),
     # Expert-TP 1: expert-TP 2 needs uneven all_gather lists, which gloo lacks.
