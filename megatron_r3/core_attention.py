@@ -40,7 +40,7 @@ class ContextParallelDotProductAttention(MegatronModule):
 
     Args:
         config: Transformer config.
-        layer_number: Global 1-based layer number.
+        layer_number: Global 1-based layer number; kept for signature compatibility.
         attn_mask_type: ``causal`` or ``padding_causal``.
         attention_type: ``"self"``; kept for signature compatibility.
         attention_dropout: Dropout probability; defaults to ``config.attention_dropout``.
@@ -73,8 +73,6 @@ class ContextParallelDotProductAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         self.cp_group = pg_collection.cp
-        self.layer_number = max(1, layer_number)
-        self.attention_type = attention_type
 
         head_dim = config.kv_channels
         self.hidden_size_per_partition = divide(
