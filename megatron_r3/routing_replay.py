@@ -51,17 +51,15 @@ def moe_routing_for_chunk(
     model_chunk,
     expert_ids: Optional[torch.Tensor] = None,
     layer_numbers: Optional[Sequence[int]] = None,
-    record: bool = False,
 ) -> MoERouting:
     """A MoERouting for one microbatch on ``model_chunk``.
 
     Args:
         model_chunk: the (possibly wrapped) GPTModel chunk the forward step runs.
         expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` routes, or None
-            to route live (e.g. to record only).
+            to route live (the routes taken are recorded either way).
         layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
             chunk does not build are dropped. Default: exactly the chunk's MoE layers.
-        record: record the routes taken (R2); read them with ``recorded_expert_ids()``.
     """
     chunk_layers = moe_layer_numbers(model_chunk)
     if expert_ids is not None and layer_numbers is not None:
@@ -78,7 +76,7 @@ def moe_routing_for_chunk(
                 device=expert_ids.device,
             )
             expert_ids = expert_ids.index_select(0, rows)
-    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids, record=record)
+    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids)
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -30,12 +30,12 @@ def _megatron():
     init_single_rank()
 
 
-def forced_routing(tokens, seed=0, record=False, no_route_every=0):
+def forced_routing(tokens, seed=0, no_route_every=0):
     batch_size, seq = tokens.shape
     ids = random_routes(len(MOE_LAYERS), seq * batch_size, seed=seed)
     if no_route_every:
         ids[:, ::no_route_every] = -1
-    return MoERouting(layer_numbers=MOE_LAYERS, expert_ids=ids, record=record)
+    return MoERouting(layer_numbers=MOE_LAYERS, expert_ids=ids)
 
 
 def train_step(model, batch, routing):
@@ -49,7 +49,7 @@ def train_step(model, batch, routing):
 def test_forced_routes_are_the_routes_taken_and_recorded():
     model = make_model(make_config())
     batch = make_batch()
-    routing = forced_routing(batch[0], seed=1, record=True)
+    routing = forced_routing(batch[0], seed=1)
     assert model.decoder.moe_layer_numbers == MOE_LAYERS
     with capture_routes(model) as seen:
         train_step(model, batch, routing)
@@ -63,7 +63,7 @@ def test_record_then_replay_reproduces_logits_and_routes():
     """R2: record in a forward-only (old log-prob) pass, replay in the update pass."""
     model = make_model(make_config())
     tokens, position_ids, _ = make_batch()
-    record = MoERouting(layer_numbers=MOE_LAYERS, record=True)
+    record = MoERouting(layer_numbers=MOE_LAYERS)
     model.eval()
     with torch.no_grad(), capture_routes(model) as first:
         logits = model(tokens, position_ids, None, moe_routing=record)
@@ -85,7 +85,7 @@ def test_rows_without_route_use_the_live_router_in_the_model():
     tokens, position_ids, _ = make_batch()
     with torch.no_grad(), capture_routes(model) as live:
         model(tokens, position_ids, None)
-    routing = forced_routing(tokens, seed=4, record=True)
+    routing = forced_routing(tokens, seed=4)
     routing.expert_ids[:] = -1  # all rows "no route": exactly the live routing
     with torch.no_grad(), capture_routes(model) as seen:
         model(tokens, position_ids, None, moe_routing=routing)

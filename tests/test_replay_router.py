@@ -76,7 +76,7 @@ def test_every_score_function_replays_exactly_with_router_grads(variant):
     router = make_router(**VARIANTS[variant])
     hidden = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
     ids = random_routes(1, SEQ * BATCH, seed=11)
-    routing = MoERouting(layer_numbers=[LAYER], expert_ids=ids, record=True)
+    routing = MoERouting(layer_numbers=[LAYER], expert_ids=ids)
 
     probs, routing_map = router(hidden, moe_routing=routing)
 
