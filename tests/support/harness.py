@@ -1,0 +1,125 @@
+"""One training step of the tiny MoE GPT under a layout, and its results in full form.
+
+``run_layout`` is the worker (start it with ``launcher.run_workers``); the parent
+turns what the ranks return into layout-independent tensors with
+``full_token_losses``, ``full_grads`` and ``routes`` and compares them with a
+single-rank run.
+"""
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state
+
+from tests.support.batches import Sequences, bshd_microbatches, thd_microbatches
+from tests.support.parallel import Layout, init_parallel
+from tests.support.routes import RouterRecorder, full_routes
+from tests.support.schedule import forward_backward
+from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.weights import assemble, grad_shards, reduce_grads
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one run does, besides the layout.
+
+    Attributes:
+        model: Model hyper-parameters.
+        seed: Weight seed.
+        micro_batch_size: Sequences per microbatch (BSHD) or per pack (THD).
+        forward_only: Skip the backward pass (no gradients returned).
+        config_overrides: Extra ``TransformerConfig`` fields, as a tuple of pairs.
+    """
+
+    model: TinyMoE = TinyMoE()
+    seed: int = 0
+    micro_batch_size: int = 2
+    forward_only: bool = False
+    config_overrides: tuple = ()
+
+
+def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
+    """Worker: one forward/backward of the tiny MoE GPT on ``data`` under ``layout``.
+
+    Builds the model chunks of this rank (weights from ``step.seed``), slices
+    ``data`` for this rank (BSHD, or THD when ``layout.packed``), runs Megatron's
+    schedule, sums gradients across ranks like Megatron's DDP and
+    ``finalize_model_grads``, and returns:
+
+    * ``"losses"``: ``(token_index, per_token_loss)`` 1-D CPU tensors of the tokens
+      this rank computed a loss for (last pipeline stage; padding dropped);
+    * ``"grads"``: ``[(Shard, grad)]`` of every local parameter (unless forward-only);
+    * ``"routes"`` and ``"router_margins"``: what a
+      :class:`~tests.support.routes.RouterRecorder` recorded on this rank.
+    """
+    device = init_parallel(layout)
+    try:
+        config = make_config(layout, step.model, **dict(step.config_overrides))
+        chunks = build_gpt(config, step.model, step.seed, device)
+        if layout.packed:
+            microbatches = thd_microbatches(
+                data, step.micro_batch_size, sequence_parallel=layout.sp, device=device
+            )
+        else:
+            microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
+        recorder = RouterRecorder(chunks, config.sequence_parallel)
+        results = forward_backward(chunks, microbatches, step.forward_only, recorder)
+        recorder.remove()
+        out = {
+            "losses": _local_losses(results),
+            "routes": recorder.routes,
+            "router_margins": recorder.margins,
+        }
+        if not step.forward_only:
+            reduce_grads(chunks, config)
+            out["grads"] = grad_shards(chunks)
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _local_losses(results: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    if not results:
+        return torch.empty(0, dtype=torch.long), torch.empty(0)
+    index = torch.cat([r["token_index"].reshape(-1) for r in results]).cpu()
+    loss = torch.cat([r["per_token_loss"].reshape(-1) for r in results]).float().cpu()
+    real = index >= 0
+    return index[real], loss[real]
+
+
+def full_token_losses(results: list[dict], num_tokens: int, atol: float = 1e-6) -> torch.Tensor:
+    """Per-token losses of all ranks in global token order, ``[num_tokens]``.
+
+    Ranks that compute the same token (TP replicas) must agree within ``atol``;
+    every token must be computed by some rank.
+    """
+    full = torch.full((num_tokens,), float("nan"))
+    for result in results:
+        index, loss = result["losses"]
+        seen = ~torch.isnan(full[index])
+        if seen.any():
+            err = (full[index][seen] - loss[seen]).abs().max().item()
+            assert err <= atol, f"ranks disagree on a token's loss by {err:.3g}"
+        full[index] = loss
+    missing = torch.isnan(full)
+    assert not missing.any(), f"no rank computed the loss of tokens {missing.nonzero().flatten().tolist()[:10]}"
+    return full
+
+
+def full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Gradients of all ranks as full single-rank tensors by name (see ``weights.assemble``)."""
+    return assemble(r["grads"] for r in results)
+
+
+def router_margins(results: list[dict]) -> dict[int, float]:
+    """Smallest top-k margin per MoE layer over all ranks."""
+    out = {}
+    for result in results:
+        for layer, margin in result["router_margins"].items():
+            out[layer] = min(margin, out.get(layer, float("inf")))
+    return out
+
+
+def routes(results: list[dict], num_tokens: int, topk: int) -> dict[int, torch.Tensor]:
+    """The experts of every token per MoE layer, ``{layer: [num_tokens, k]}``."""
+    return full_routes([r["routes"] for r in results], num_tokens, topk)

@@ -1,0 +1,178 @@
+"""Run a function in N processes that share a torch.distributed process group.
+
+``run_workers(fn, world_size, *args)`` starts ``world_size`` processes, each of
+which joins a process group (gloo on CPU; NCCL with ``device = cuda:rank`` when
+enough GPUs are visible), calls ``fn(*args, **kwargs)`` and sends its return
+value back through ``torch.save``. A worker's exception is re-raised in the
+parent with that rank's traceback; a hung run is killed after ``timeout``.
+
+Processes come from a forkserver that has already imported torch and
+Megatron-Core, so a launch costs a fork, not a fresh interpreter.
+"""
+
+import datetime
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+_PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron_r3"]
+_context = None
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message holds each failed rank's traceback."""
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when every rank can have its own visible GPU, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def worker_device() -> torch.device:
+    """The device a worker computes on: ``cuda:rank`` under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    timeout: float = 180.0,
+    backend: Optional[str] = None,
+    **kwargs,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
+
+    Args:
+        fn: A module-level function (it is pickled by name). Inside it the default
+            process group is initialised; ``torch.distributed.get_rank()`` is its rank.
+        world_size: Number of processes.
+        *args: Positional arguments of ``fn``; must be picklable.
+        timeout: Seconds the whole run may take; also the process-group timeout.
+        backend: ``"gloo"`` or ``"nccl"``; default :func:`default_backend`.
+        **kwargs: Keyword arguments of ``fn``; must be picklable.
+
+    Returns:
+        The return values of ``fn``, indexed by rank (loaded onto the CPU).
+
+    Raises:
+        WorkerError: a worker raised, exited abnormally, or the run timed out.
+    """
+    backend = backend or default_backend(world_size)
+    ctx = _get_context()
+    with tempfile.TemporaryDirectory(prefix="r3-workers-") as outdir:
+        port = _free_port()
+        procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(fn, rank, world_size, port, backend, timeout, outdir, args, kwargs),
+                name=f"r3-worker-{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            _wait(procs, timeout, outdir)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+        return [
+            torch.load(os.path.join(outdir, f"{rank}.pt"), map_location="cpu", weights_only=False)
+            for rank in range(world_size)
+        ]
+
+
+def _get_context():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(procs, timeout: float, outdir: str) -> None:
+    """Wait for every worker; raise as soon as one fails (its peers would hang)."""
+    deadline = time.monotonic() + timeout
+    while any(proc.is_alive() for proc in procs):
+        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+        if failed:
+            # Give the peers a moment to report their own errors, then stop them.
+            grace = time.monotonic() + 5
+            while time.monotonic() < grace and any(proc.is_alive() for proc in procs):
+                time.sleep(0.05)
+            raise WorkerError(_failure_report(procs, outdir))
+        if time.monotonic() > deadline:
+            running = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+            raise WorkerError(
+                f"timed out after {timeout:.0f}s; ranks still running: {running}\n"
+                + _failure_report(procs, outdir)
+            )
+        time.sleep(0.02)
+    if any(proc.exitcode != 0 for proc in procs):
+        raise WorkerError(_failure_report(procs, outdir))
+
+
+def _failure_report(procs, outdir: str) -> str:
+    parts = []
+    for rank, proc in enumerate(procs):
+        err = os.path.join(outdir, f"{rank}.err")
+        if os.path.exists(err):
+            with open(err) as f:
+                parts.append(f"--- rank {rank} raised:\n{f.read()}")
+        elif proc.exitcode not in (None, 0):
+            parts.append(f"--- rank {rank} exited with code {proc.exitcode} and no traceback")
+    return "\n".join(parts) or "no worker reported an error"
+
+
+def _worker_main(fn, rank, world_size, port, backend, timeout, outdir, args, kwargs):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # The CPU machine is shared: one compute thread per rank.
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            # Layout comparisons need the same fp32 math on every rank.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+        )
+        result = fn(*args, **kwargs)
+        torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,107 @@
+"""Parallel layouts and Megatron's parallel state inside a worker process."""
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from tests.support.cpu_rng import install_cpu_rng
+from tests.support.launcher import worker_device
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way of spreading a model over ranks.
+
+    Attributes:
+        tp: Tensor-parallel size.
+        sp: Sequence parallelism (needs ``tp > 1``).
+        pp: Pipeline-parallel size.
+        vp: Virtual pipeline stages per rank (interleaved 1F1B), or ``None``.
+        cp: Context-parallel size.
+        ep: Expert-parallel size.
+        etp: Expert tensor-parallel size (``None``: Megatron's default, ``tp``).
+        dp: Data-parallel size; the world size is ``tp * cp * pp * dp``.
+        dispatcher: MoE token dispatcher, ``"alltoall"`` or ``"allgather"``.
+        first_stage_layers: ``num_layers_in_first_pipeline_stage`` (uneven PP).
+        last_stage_layers: ``num_layers_in_last_pipeline_stage`` (uneven PP).
+        recompute: ``None``, ``"full"`` (uniform, one layer per checkpoint) or
+            ``"selective"`` (Megatron's default selective modules).
+        packed: Packed THD sequences instead of BSHD batches.
+    """
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    dp: int = 1
+    dispatcher: str = "alltoall"
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    recompute: Optional[str] = None
+    packed: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def name(self) -> str:
+        """A short id for test names, e.g. ``tp2-sp-ep2``."""
+        parts = []
+        for field in ("tp", "pp", "vp", "cp", "ep", "etp", "dp"):
+            value = getattr(self, field)
+            if value not in (None, 1):
+                parts.append(f"{field}{value}")
+                if field == "tp" and self.sp:
+                    parts.append("sp")
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            parts.append(f"uneven{self.first_stage_layers}-{self.last_stage_layers}")
+        if self.ep > 1:
+            parts.append(self.dispatcher)
+        if self.packed:
+            parts.append("thd")
+        if self.recompute:
+            parts.append(f"recompute-{self.recompute}")
+        return "-".join(parts) or "single"
+
+
+SINGLE = Layout()
+
+
+def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
+    """Set up Megatron's parallel state and RNG for ``layout`` in this worker.
+
+    Args:
+        layout: The layout; its world size must match the process group's.
+        seed: Seed of Megatron's RNG tracker (dropout, sharded init).
+
+    Returns:
+        The device this rank computes on.
+    """
+    assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        create_gloo_process_groups=False,
+    )
+    device = worker_device()
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        install_cpu_rng(seed)
+    return device
+
+
+def dp_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel rank and size (CP ranks share data)."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
