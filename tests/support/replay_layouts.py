@@ -24,13 +24,19 @@ from tests.support.tiny_moe import build_gpt, make_config
 from tests.support.weights import grad_shards, reduce_grads
 
 
-def random_forced_routes(model, num_tokens: int, seed: int) -> dict:
-    """Distinct random experts per token for every MoE layer: ``{layer: [num_tokens, k]}``."""
+def random_forced_routes(model, num_tokens: int, seed: int, no_route_every: int = 0) -> dict:
+    """Distinct random experts per token for every MoE layer: ``{layer: [num_tokens, k]}``.
+
+    With ``no_route_every=n``, every n-th token has no route (-1 row) in every layer.
+    """
     gen = torch.Generator().manual_seed(seed)
-    return {
-        layer: torch.rand(num_tokens, model.num_experts, generator=gen).topk(model.topk).indices
-        for layer in model.moe_layers
-    }
+    out = {}
+    for layer in model.moe_layers:
+        experts = torch.rand(num_tokens, model.num_experts, generator=gen).topk(model.topk).indices
+        if no_route_every:
+            experts[::no_route_every] = -1
+        out[layer] = experts
+    return out
 
 
 def chunk_expert_ids(chunk, token_index: torch.Tensor, forced: dict) -> torch.Tensor:
@@ -46,13 +52,22 @@ def chunk_expert_ids(chunk, token_index: torch.Tensor, forced: dict) -> torch.Te
     return torch.stack(rows).to(torch.long)
 
 
-def replay_forward_step(data_iterator, model, recorder=None, forced=None, sequence_parallel=False):
-    """The harness's forward step, plus this microbatch's routes as ``moe_routing``."""
+def replay_forward_step(
+    data_iterator, model, recorder=None, forced=None, sequence_parallel=False, recordings=None
+):
+    """The harness's forward step, plus this microbatch's routes as ``moe_routing``.
+
+    ``forced=None`` routes live (and only records). Each microbatch's MoERouting is
+    appended to ``recordings`` with the global token id of each router row.
+    """
     mb = next(data_iterator)
     token_index = router_token_index(mb, sequence_parallel)
-    routing = moe_routing_for_chunk(
-        model, chunk_expert_ids(model, token_index, forced).to(mb.tokens.device)
-    )
+    expert_ids = None
+    if forced is not None:
+        expert_ids = chunk_expert_ids(model, token_index, forced).to(mb.tokens.device)
+    routing = moe_routing_for_chunk(model, expert_ids)
+    if recordings is not None:
+        recordings.append((token_index.cpu(), routing))
     with recorder.microbatch(mb) if recorder else contextlib.nullcontext():
         per_token_loss = model(
             input_ids=mb.tokens,
@@ -81,20 +96,41 @@ def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
         else:
             microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
+        recordings = []
         results = forward_backward(
             chunks,
             microbatches,
             step.forward_only,
             recorder,
             forward_step_func=partial(
-                replay_forward_step, forced=forced, sequence_parallel=config.sequence_parallel
+                replay_forward_step,
+                forced=forced,
+                sequence_parallel=config.sequence_parallel,
+                recordings=recordings,
             ),
         )
         recorder.remove()
-        out = {"losses": _local_losses(results), "routes": recorder.routes}
+        out = {
+            "losses": _local_losses(results),
+            "routes": recorder.routes,
+            "recorded": _recorded_routes(recordings),
+            "router_margins": recorder.margins,
+        }
         if not step.forward_only:
             reduce_grads(chunks, config)
             out["grads"] = grad_shards(chunks)
         return out
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _recorded_routes(recordings) -> dict:
+    """What the MoERoutings recorded, in ``RouterRecorder.routes`` form (experts ascending)."""
+    out = {}
+    for token_index, routing in recordings:
+        real = token_index >= 0
+        recorded = routing.recorded_expert_ids().cpu()
+        for row, layer_number in enumerate(routing.layer_numbers):
+            experts = recorded[row][real].sort(dim=-1).values
+            out.setdefault(layer_number - 1, []).append((token_index[real], experts))
+    return out
