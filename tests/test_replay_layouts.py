@@ -155,6 +155,7 @@ def test_ep2_every_token_to_one_rank(dispatcher):
 
 
 RECORD_THEN_REPLAY = [
+    (Layout(), BSHD_DATA, 2),  # no pipelining
     (Layout(pp=2, vp=2), BSHD_DATA, 2),
     (Layout(tp=2, sp=True, ep=2, etp=1, dp=2), BSHD_DATA, 2),
     (Layout(cp=2, packed=True), THD_DATA, 2),
