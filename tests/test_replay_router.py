@@ -157,3 +157,27 @@ def test_replay_needs_the_config_flag():
     ids = random_routes(1, SEQ * BATCH)
     with pytest.raises(ValueError, match="moe_enable_routing_replay"):
         router(torch.randn(SEQ, BATCH, HIDDEN), moe_routing=MoERouting([LAYER], expert_ids=ids))
+
+
+def test_recording_only_keeps_the_upstream_aux_loss_in_forward_and_recompute():
+    """Without replayed ids the aux loss is upstream's, also when a recompute replays the
+    recording (so recompute and no recompute give the same gradients)."""
+    coeff = 0.01
+    router = make_router(
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=coeff,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    )
+    router.train()
+    hidden = torch.randn(SEQ, BATCH, HIDDEN)
+    clear_aux_losses_tracker()
+    router(hidden)
+    upstream = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][LAYER - 1]
+    upstream = upstream.clone()
+    routing = MoERouting([LAYER])
+    for _ in range(2):  # first pass records, second replays the recording
+        clear_aux_losses_tracker()
+        router(hidden, moe_routing=routing)
+        got = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][LAYER - 1]
+        torch.testing.assert_close(got, upstream, rtol=0, atol=0)
