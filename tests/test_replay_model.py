@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.moe.moe_routing import MoERouting
-from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from tests.support.replay import (
     NUM_EXPERTS,
@@ -157,7 +157,9 @@ def test_two_models_in_one_process_replay_independently():
             reference(batch[0], batch[1], None, moe_routing=reference_routes)
         policy_loss.sum().backward()
     for row, layer_number in enumerate(MOE_LAYERS):
-        assert torch.equal(seen_policy[layer_number][0], routes_as_map(policy_routes.expert_ids[row]))
+        assert torch.equal(
+            seen_policy[layer_number][0], routes_as_map(policy_routes.expert_ids[row])
+        )
         assert torch.equal(
             seen_reference[layer_number][0], routes_as_map(reference_routes.expert_ids[row])
         )
@@ -241,8 +243,9 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_replay_input_fails_before_the_model_runs(case):
     mutate, message = BAD_INPUTS[case]
-    model = make_model(make_config(moe_router_enable_expert_bias=True,
-                                   moe_router_score_function="sigmoid"))
+    model = make_model(
+        make_config(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    )
     batch = make_batch()
     routing = _bad(batch[0], mutate)
     ran = []
@@ -297,11 +300,7 @@ def test_upstream_router_replay_api_keeps_working():
         model = make_model(make_config())
         assert len(RouterReplay.global_router_replay_instances) == len(MOE_LAYERS)
         tokens, position_ids, _ = make_batch()
-        RouterReplay.set_global_router_replay_action(
-            __import__(
-                "megatron.core.transformer.moe.router_replay", fromlist=["x"]
-            ).RouterReplayAction.RECORD
-        )
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
         with torch.no_grad(), capture_routes(model) as live:
             model(tokens, position_ids, None)
         recorded = RouterReplay.get_recorded_data()
@@ -309,8 +308,6 @@ def test_upstream_router_replay_api_keeps_working():
 
         forced = list(random_routes(3, tokens.numel(), seed=8))
         RouterReplay.set_replay_data(forced)
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         with torch.no_grad(), capture_routes(model) as seen:
             model(tokens, position_ids, None)
@@ -321,6 +318,31 @@ def test_upstream_router_replay_api_keeps_working():
         # Mixing the global action with a per-microbatch MoERouting is an error.
         with pytest.raises(ValueError, match="use one of the two"):
             model(tokens, position_ids, None, moe_routing=forced_routing(tokens))
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_instances()
+
+
+def test_upstream_router_replay_fifo_backward_keeps_working_with_recompute():
+    RouterReplay.clear_global_router_replay_instances()
+    try:
+        config = make_config(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+        model = make_model(config)
+        tokens, position_ids, labels = make_batch()
+        forced = list(random_routes(3, tokens.numel(), seed=21))
+        RouterReplay.set_replay_data(forced)
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        with capture_routes(model) as seen:
+            loss = model(tokens, position_ids, None, labels=labels)
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            loss.sum().backward()
+        for row, layer_number in enumerate(MOE_LAYERS):
+            assert len(seen[layer_number]) == 2  # forward, then the recompute in backward
+            assert all(torch.equal(m, routes_as_map(forced[row])) for m in seen[layer_number])
+        assert all(r.replay_backward_list == [] for r in RouterReplay.global_router_replay_instances)
     finally:
         RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
