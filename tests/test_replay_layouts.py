@@ -187,3 +187,59 @@ def test_forward_only_recording_is_replayed_by_the_training_step(layout, data, m
         rtol=0,
         atol=LOSS_ATOL,
     )
+
+
+VARIANTS = {
+    "sigmoid_expert_bias": (
+        ("moe_router_score_function", "sigmoid"),
+        ("moe_router_enable_expert_bias", True),
+    ),
+    "group_limited_pre_softmax_scaled": (
+        ("moe_router_pre_softmax", True),
+        ("moe_router_num_groups", 2),
+        ("moe_router_group_topk", 1),
+        ("moe_router_topk_scaling_factor", 2.0),
+    ),
+    "aux_and_seq_aux_loss": (
+        ("moe_router_load_balancing_type", ["aux_loss", "seq_aux_loss"]),
+        ("moe_aux_loss_coeff", [0.1, 0.1]),
+    ),
+}
+VARIANT_LAYOUTS = [
+    Layout(ep=2, dp=2, dispatcher="alltoall", recompute="selective"),
+    Layout(tp=2, sp=True, ep=2, etp=1, dp=2, recompute="full"),
+    Layout(pp=2, vp=2),
+    Layout(cp=2),
+]
+
+
+# Megatron scales the aux losses by the local token count under calculate_per_token_loss,
+# so with the sequence split over TP/SP or CP their gradients differ from a single rank's
+# even without replay (the harness sums raw gradients; checked with live routing). The aux
+# loss variant runs on layouts that keep whole sequences.
+WHOLE_SEQUENCE_LAYOUTS = [VARIANT_LAYOUTS[0], VARIANT_LAYOUTS[2]]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_router_variants_replay_under_layouts(variant):
+    """Score functions and aux losses: forced routes, same losses and grads as one rank
+    (the aux losses see the replayed routes on every rank)."""
+    forced = random_forced_routes(MODEL, BSHD_DATA.num_tokens, 13)
+    step = Step(config_overrides=VARIANTS[variant])
+    (result,) = run_workers(run_replay_layout, 1, Layout(), BSHD_DATA, step, forced)
+    reference = (
+        full_token_losses([result], BSHD_DATA.num_tokens),
+        full_grads([result]),
+        _taken_and_recorded([result], BSHD_DATA),
+    )
+    for layer, experts in forced.items():
+        assert torch.equal(reference[2][layer], experts.sort(dim=-1).values)
+    layouts = WHOLE_SEQUENCE_LAYOUTS if "aux" in variant else VARIANT_LAYOUTS
+    for layout in layouts:
+        results = run_workers(
+            run_replay_layout, layout.world_size, layout, BSHD_DATA, step, forced
+        )
+        try:
+            _assert_matches(reference, results, BSHD_DATA)
+        except AssertionError as error:
+            raise AssertionError(f"{layout.name}: {error}") from None
