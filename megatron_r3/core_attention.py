@@ -40,7 +40,7 @@ class ContextParallelDotProductAttention(MegatronModule):
 
     Args:
         config: Transformer config.
-        layer_number: Global 1-based layer number.
+        layer_number: Global 1-based layer number; kept for signature compatibility.
         attn_mask_type: ``causal`` or ``padding_causal``.
         attention_type: ``"self"``; kept for signature compatibility.
         attention_dropout: Dropout probability; defaults to ``config.attention_dropout``.
@@ -73,8 +73,6 @@ class ContextParallelDotProductAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
         self.cp_group = pg_collection.cp
-        self.layer_number = max(1, layer_number)
-        self.attention_type = attention_type
 
         head_dim = config.kv_channels
         self.hidden_size_per_partition = divide(
@@ -146,7 +144,9 @@ class ContextParallelDotProductAttention(MegatronModule):
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         if packed_seq_params is None:
             q_pos = zigzag_positions(local_len, cp_size, cp_rank, device)
-            k_pos = torch.cat([zigzag_positions(local_len, cp_size, r, device) for r in range(cp_size)])
+            k_pos = torch.cat(
+                [zigzag_positions(local_len, cp_size, r, device) for r in range(cp_size)]
+            )
             return k_pos[None, :] <= q_pos[:, None]
 
         cu_padded = packed_seq_params.cu_seqlens_q_padded

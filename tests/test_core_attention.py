@@ -170,6 +170,28 @@ def test_thd_matches_causal_attention_per_sequence(cp):
         torch.testing.assert_close(got[real_rows], want[real_rows], rtol=1e-5, atol=1e-5)
 
 
+def masked_worker(mask):
+    """BSHD attention without CP, with an explicit mask on top of the causal one."""
+    device = init_parallel(Layout())
+    q, k, v, grad_out = _full_inputs((SEQ, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    return _module(1)(q, k, v, mask.to(device)).cpu()
+
+
+def test_explicit_mask_is_combined_with_causal():
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.rand(BATCH, 1, SEQ, SEQ, generator=gen) < 0.3
+    mask &= ~torch.eye(SEQ, dtype=torch.bool)  # every query keeps itself
+    (out,) = run_workers(masked_worker, 1, mask)
+    q, k, v, _ = _full_inputs((SEQ, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM))
+    k, v = (t.repeat_interleave(HEADS // GROUPS, dim=2) for t in (k, v))
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(DIM)
+    allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril() & ~mask
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    ref = torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(SEQ, BATCH, -1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def rejection_worker():
     """The error message of each unsupported use, as a list."""
     device = init_parallel(Layout())

@@ -52,22 +52,42 @@ BSHD_LAYOUTS = [
     Layout(ep=2, dp=2, dispatcher="allgather"),
     Layout(pp=2),
     Layout(pp=2, first_stage_layers=1, recompute="full"),
+    Layout(pp=2, last_stage_layers=1),
     Layout(pp=2, vp=2),
     Layout(cp=2),
     # Expert-TP 1: expert-TP 2 needs uneven all_gather lists, which gloo lacks.
     Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
     Layout(pp=2, cp=2),
+    Layout(pp=2, ep=2, dp=2),
 ]
 THD_LAYOUTS = [
     Layout(packed=True),
     Layout(cp=2, packed=True),
     Layout(tp=2, sp=True, packed=True, recompute="selective"),
+    # Sequences padded to a multiple of 2 * cp * tp.
+    Layout(tp=2, sp=True, cp=2, packed=True),
+]
+
+
+# Linear biases: sharded with column-parallel weights, replicated (and reduced
+# across TP under SP) with row-parallel ones, per expert in MoE layers. Megatron
+# only supports MoE biases with expert-TP 1.
+BIAS_STEP = Step(model=TinyMoE(add_bias_linear=True))
+BIAS_LAYOUTS = [
+    Layout(ep=2, dp=2),
+    Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
 ]
 
 
 @pytest.fixture(scope="module")
 def bshd_reference():
     (result,) = run_workers(run_layout, 1, Layout(), BSHD_DATA, Step())
+    return _checked_reference(result, BSHD_DATA)
+
+
+@pytest.fixture(scope="module")
+def bias_reference():
+    (result,) = run_workers(run_layout, 1, Layout(), BSHD_DATA, BIAS_STEP)
     return _checked_reference(result, BSHD_DATA)
 
 
@@ -111,6 +131,13 @@ def _assert_matches(reference, results, data):
 def test_bshd_layout_matches_single_rank(layout, bshd_reference):
     results = run_workers(run_layout, layout.world_size, layout, BSHD_DATA, Step())
     _assert_matches(bshd_reference, results, BSHD_DATA)
+
+
+@pytest.mark.parametrize("layout", BIAS_LAYOUTS, ids=lambda layout: layout.name)
+def test_layout_with_biases_matches_single_rank(layout, bias_reference):
+    assert any(name.endswith("linear_fc2.bias") for name in bias_reference[1])
+    results = run_workers(run_layout, layout.world_size, layout, BSHD_DATA, BIAS_STEP)
+    _assert_matches(bias_reference, results, BSHD_DATA)
 
 
 @pytest.mark.parametrize("layout", THD_LAYOUTS, ids=lambda layout: layout.name)

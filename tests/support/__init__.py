@@ -1,1 +1,18 @@
-"""Test-only scaffolding for running Megatron-Core on CPU process groups."""
+"""Test scaffolding for running Megatron-Core MoE models under any parallel layout.
+
+* ``launcher``: ``run_workers(fn, world_size, *args)`` runs ``fn`` on N ranks
+  (gloo on CPU, NCCL on ``cuda:rank``) and returns each rank's result.
+* ``parallel``: ``Layout`` (TP/SP/PP/VP/CP/EP/ETP/DP, dispatcher, uneven PP,
+  recompute, packed) and ``init_parallel`` (parallel state + RNG in a worker).
+* ``tiny_moe``: ``TinyMoE`` hyper-parameters, ``make_config``, ``build_gpt``
+  (this rank's model chunks, weights from a seed).
+* ``weights``: full single-rank names and slices of sharded parameters; seeded
+  init, ``load_full``, Megatron-style gradient reduction, ``assemble``.
+* ``batches``: test data as sequences with global token ids; per-rank BSHD
+  (DP + Megatron CP slicing) and packed THD (padding + zigzag) microbatches.
+* ``schedule``: forward/backward through ``get_forward_backward_func``.
+* ``routes``: router rows -> global token ids; ``RouterRecorder``.
+* ``harness``: ``run_layout``, the one-step worker, and the parent-side
+  ``full_token_losses`` / ``full_grads`` / ``routes``.
+* ``cpu_rng``: Megatron's RNG tracker on CPU generators.
+"""

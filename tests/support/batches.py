@@ -177,7 +177,9 @@ def thd_microbatches(
             fields["loss_mask"].append((positions < length).float())
             fields["position_ids"].append(positions)
             fields["token_index"].append(
-                torch.where(positions < length, offsets[i] + positions, torch.full_like(positions, -1))
+                torch.where(
+                    positions < length, offsets[i] + positions, torch.full_like(positions, -1)
+                )
             )
             lengths.append(length)
             padded.append(length + pad)

@@ -7,6 +7,7 @@ single-rank run.
 """
 
 import dataclasses
+from typing import Callable
 
 import torch
 from megatron.core import parallel_state
@@ -14,7 +15,7 @@ from megatron.core import parallel_state
 from tests.support.batches import Sequences, bshd_microbatches, thd_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
-from tests.support.schedule import forward_backward
+from tests.support.schedule import forward_backward, forward_step
 from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
 from tests.support.weights import assemble, grad_shards, reduce_grads
 
@@ -29,6 +30,9 @@ class Step:
         micro_batch_size: Sequences per microbatch (BSHD) or per pack (THD).
         forward_only: Skip the backward pass (no gradients returned).
         config_overrides: Extra ``TransformerConfig`` fields, as a tuple of pairs.
+        forward_step_func: A module-level ``f(data_iterator, model, recorder)``
+            (see ``schedule.forward_step``, the default), e.g. one that passes
+            replay data from the microbatch to the model.
     """
 
     model: TinyMoE = TinyMoE()
@@ -36,6 +40,7 @@ class Step:
     micro_batch_size: int = 2
     forward_only: bool = False
     config_overrides: tuple = ()
+    forward_step_func: Callable = forward_step
 
 
 def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
@@ -63,7 +68,9 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
         else:
             microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
-        results = forward_backward(chunks, microbatches, step.forward_only, recorder)
+        results = forward_backward(
+            chunks, microbatches, step.forward_only, recorder, step.forward_step_func
+        )
         recorder.remove()
         out = {
             "losses": _local_losses(results),
@@ -102,7 +109,7 @@ def full_token_losses(results: list[dict], num_tokens: int, atol: float = 1e-6) 
             assert err <= atol, f"ranks disagree on a token's loss by {err:.3g}"
         full[index] = loss
     missing = torch.isnan(full)
-    assert not missing.any(), f"no rank computed the loss of tokens {missing.nonzero().flatten().tolist()[:10]}"
+    assert not missing.any(), f"no rank computed tokens {missing.nonzero().flatten()[:10].tolist()}"
     return full
 
 

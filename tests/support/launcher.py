@@ -6,10 +6,14 @@ enough GPUs are visible), calls ``fn(*args, **kwargs)`` and sends its return
 value back through ``torch.save``. A worker's exception is re-raised in the
 parent with that rank's traceback; a hung run is killed after ``timeout``.
 
-Processes come from a forkserver that has already imported torch and
-Megatron-Core, so a launch costs a fork, not a fresh interpreter.
+On a machine without CUDA, processes come from a forkserver that has already
+imported torch and Megatron-Core, so a launch costs a fork, not a fresh
+interpreter. Where CUDA is available they are spawned (CUDA does not survive a
+fork), and gloo runs hide the GPUs from the workers so that Megatron's
+"current device" is the CPU their tensors live on.
 """
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -71,6 +75,7 @@ def run_workers(
     """
     backend = backend or default_backend(world_size)
     ctx = _get_context()
+    hide_gpus = backend == "gloo" and torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="r3-workers-") as outdir:
         port = _free_port()
         procs = [
@@ -81,8 +86,9 @@ def run_workers(
             )
             for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        with _environ(CUDA_VISIBLE_DEVICES="") if hide_gpus else contextlib.nullcontext():
+            for proc in procs:
+                proc.start()
         try:
             _wait(procs, timeout, outdir)
         finally:
@@ -99,9 +105,27 @@ def run_workers(
 def _get_context():
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        if torch.cuda.is_available():
+            _context = multiprocessing.get_context("spawn")
+        else:
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload(_PRELOAD)
     return _context
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """Set environment variables while spawned children start (they copy os.environ)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _free_port() -> int:

@@ -52,7 +52,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        """A short id for test names, e.g. ``tp2-sp-ep2``."""
+        """A short id for test names, e.g. ``tp2-sp-ep2-dp2-alltoall``."""
         parts = []
         for field in ("tp", "pp", "vp", "cp", "ep", "etp", "dp"):
             value = getattr(self, field)
@@ -60,8 +60,10 @@ class Layout:
                 parts.append(f"{field}{value}")
                 if field == "tp" and self.sp:
                     parts.append("sp")
-        if self.first_stage_layers is not None or self.last_stage_layers is not None:
-            parts.append(f"uneven{self.first_stage_layers}-{self.last_stage_layers}")
+        if self.first_stage_layers is not None:
+            parts.append(f"first{self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            parts.append(f"last{self.last_stage_layers}")
         if self.ep > 1:
             parts.append(self.dispatcher)
         if self.packed:
@@ -70,8 +72,6 @@ class Layout:
             parts.append(f"recompute-{self.recompute}")
         return "-".join(parts) or "single"
 
-
-SINGLE = Layout()
 
 
 def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
@@ -101,7 +101,3 @@ def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
         install_cpu_rng(seed)
     return device
 
-
-def dp_rank_and_size() -> tuple[int, int]:
-    """This rank's data-parallel rank and size (CP ranks share data)."""
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

@@ -122,6 +122,7 @@ def full_routes(per_rank: list[dict], num_tokens: int, topk: int) -> dict[int, t
             full = out.setdefault(layer, torch.full((num_tokens, topk), -1, dtype=torch.long))
             for rows, experts in records:
                 seen = full[rows, 0] >= 0
-                assert torch.equal(full[rows][seen], experts[seen]), f"layer {layer}: ranks disagree"
+                agree = torch.equal(full[rows][seen], experts[seen])
+                assert agree, f"layer {layer}: ranks disagree on a token's experts"
                 full[rows] = experts
     return out

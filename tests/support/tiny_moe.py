@@ -19,8 +19,8 @@ class TinyMoE:
 
     The defaults give 4 layers, dense-MoE-dense-MoE, 4 experts, top-2, grouped-query
     attention (4 heads, 2 groups), RoPE, fp32, no dropout, no load-balancing loss.
-    Linear layers have no biases, as in most MoE models (Megatron 0.16.1 rejects
-    MoE biases with expert-TP > 1).
+    Linear layers have no biases by default, as in most MoE models; with
+    ``add_bias_linear`` (Megatron supports MoE biases only with expert-TP 1) they do.
     """
 
     num_layers: int = 4
@@ -138,8 +138,12 @@ def build_gpt(
             transformer_layer_spec=get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope",
             vp_stage=vp_stage,

@@ -149,6 +149,12 @@ def reduce_grads(chunks: Iterable[torch.nn.Module], config) -> None:
       like ``DistributedDataParallel``.
 
     Parameters without a gradient (an expert no token reached) get zeros.
+
+    Like Megatron 0.16.1, this relies on ``allreduce``, which marks expert
+    parameters only when expert-parallel size > 1. With EP = 1 and expert-TP < TP
+    the TP ranks hold replicas of the experts fed with different tokens, and
+    neither Megatron's DDP nor this function sums them: :func:`assemble` then
+    reports the replicas as different.
     """
     chunks = list(chunks)
     tp_group = parallel_state.get_tensor_model_parallel_group()
