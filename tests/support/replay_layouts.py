@@ -68,10 +68,13 @@ def replay_forward_step(
     routing = moe_routing_for_chunk(model, expert_ids)
     if recordings is not None:
         recordings.append((token_index.cpu(), routing))
+    # Only the first stage gets token ids: later stages count their router rows from the
+    # received activation, and still route their own MoE layers.
+    first = model.pre_process
     with recorder.microbatch(mb) if recorder else contextlib.nullcontext():
         per_token_loss = model(
-            input_ids=mb.tokens,
-            position_ids=mb.position_ids,
+            input_ids=mb.tokens if first else None,
+            position_ids=mb.position_ids if first else None,
             attention_mask=None,
             labels=mb.labels,
             packed_seq_params=mb.packed_seq_params,
