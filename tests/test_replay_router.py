@@ -182,3 +182,24 @@ def test_recording_only_keeps_the_upstream_aux_loss_in_forward_and_recompute():
         router(hidden, moe_routing=routing)
         got = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][LAYER - 1]
         torch.testing.assert_close(got, upstream, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_router_replay_forward_and_backward_do_not_sync_the_device():
+    """The replay path (live top-k, replayed ids, gathered probs, -1 rows) is device-only."""
+    router = make_router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    ids = random_routes(1, SEQ * BATCH, seed=4).cuda()
+    ids[0, ::3] = -1
+
+    def step():
+        hidden = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", requires_grad=True)
+        probs, _ = router(hidden, moe_routing=MoERouting([LAYER], expert_ids=ids))
+        probs.sum().backward()
+
+    step()  # first call moves the gate to the GPU
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
