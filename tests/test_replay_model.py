@@ -267,6 +267,7 @@ REJECTED = {
     "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0),
     "moe_router_force_load_balancing": dict(moe_router_force_load_balancing=True),
     "cuda_graph_impl": dict(cuda_graph_impl="local"),
+    "enable_cuda_graph": dict(enable_cuda_graph=True),
     "mtp_num_layers": dict(mtp_num_layers=1),
 }
 
@@ -276,7 +277,7 @@ def test_options_that_would_ignore_replay_are_rejected_at_config_time(option):
     with pytest.raises(ValueError, match="moe_enable_routing_replay does not support"):
         make_config(**REJECTED[option])
     # The same options stay valid without replay.
-    if option not in ("cuda_graph_impl", "moe_router_fusion"):
+    if option not in ("cuda_graph_impl", "enable_cuda_graph", "moe_router_fusion"):
         make_config(moe_enable_routing_replay=False, **REJECTED[option])
 
 
