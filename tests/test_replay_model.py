@@ -268,7 +268,6 @@ REJECTED = {
     "moe_router_force_load_balancing": dict(moe_router_force_load_balancing=True),
     "cuda_graph_impl": dict(cuda_graph_impl="local"),
     "enable_cuda_graph": dict(enable_cuda_graph=True),
-    "mtp_num_layers": dict(mtp_num_layers=1),
 }
 
 
@@ -279,6 +278,24 @@ def test_options_that_would_ignore_replay_are_rejected_at_config_time(option):
     # The same options stay valid without replay.
     if option not in ("cuda_graph_impl", "enable_cuda_graph", "moe_router_fusion"):
         make_config(moe_enable_routing_replay=False, **REJECTED[option])
+
+
+def test_moe_routing_is_refused_on_a_model_with_mtp_layers():
+    """MTP routers run outside the decoder: refuse rather than route them live silently.
+    The config itself stays valid (the upstream RouterReplay API covers MTP routers)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    config = make_config(mtp_num_layers=1)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False)
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=64, mtp_block_spec=mtp)
+    tokens, position_ids, labels = make_batch()
+    with pytest.raises(ValueError, match="does not cover MTP layers"):
+        model(tokens, position_ids, None, labels=labels, moe_routing=forced_routing(tokens))
 
 
 def test_combined_1f1b_is_rejected_with_replay():
