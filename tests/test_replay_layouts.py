@@ -163,7 +163,9 @@ RECORD_THEN_REPLAY = [
 
 
 @pytest.mark.parametrize(
-    "layout,data,micro_batch_size", RECORD_THEN_REPLAY, ids=lambda x: getattr(x, "name", "")
+    "layout,data,micro_batch_size",
+    RECORD_THEN_REPLAY,
+    ids=[layout.name for layout, _, _ in RECORD_THEN_REPLAY],
 )
 def test_forward_only_recording_is_replayed_by_the_training_step(layout, data, micro_batch_size):
     """R2 under a layout: record live routes in a forward-only pass (old log-probs), then a
