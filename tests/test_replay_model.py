@@ -365,3 +365,22 @@ def test_upstream_router_replay_fifo_backward_keeps_working_with_recompute():
         RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_instances()
+
+
+def test_bf16_model_behind_float16module_replays_with_router_grads():
+    """The moe_routing kwarg passes through Megatron's mixed-precision wrapper."""
+    from megatron.core.transformer.module import Float16Module
+
+    config = make_config(bf16=True, params_dtype=torch.bfloat16, moe_router_dtype="fp32")
+    model = Float16Module(config, make_model(config))
+    tokens, position_ids, labels = make_batch()
+    routing = forced_routing(tokens, seed=31, no_route_every=3)
+    with capture_routes(model.module) as seen:
+        loss = model(tokens, position_ids, None, labels=labels, moe_routing=routing)
+    loss.float().sum().backward()
+    for row, layer_number in enumerate(MOE_LAYERS):
+        ids = routing.expert_ids[row]
+        routed = (ids >= 0).all(dim=-1)
+        assert torch.equal(seen[layer_number][0][routed], routes_as_map(ids[routed].clamp(min=0)))
+    for layer in moe_layers(model.module):
+        assert layer.router.weight.grad.abs().sum() > 0
