@@ -1,0 +1,106 @@
+"""Glue between per-microbatch routes and Megatron's MoERouting forward input.
+
+The data plane produces, per microbatch and per model chunk, an int64 device tensor
+``expert_ids [num_local_moe_layers, num_local_tokens, topk]`` (rows of all -1: no route)
+and the ``layer_numbers`` its dim 0 follows. A forward step wraps it for the model chunk it
+runs, on every pipeline stage (stages without input ids still route their own layers):
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        routing = moe_routing_for_chunk(model, batch["expert_ids"], batch["layer_numbers"])
+        output = model(batch["tokens"], batch["position_ids"], None,
+                       labels=batch["labels"], moe_routing=routing)
+        return output, loss_func
+
+See docs/routing_replay.md.
+"""
+
+import argparse
+from typing import Optional, Sequence
+
+import torch
+
+from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting
+
+__all__ = [
+    "NO_ROUTE",
+    "MoERouting",
+    "add_routing_replay_args",
+    "moe_layer_numbers",
+    "moe_routing_for_chunk",
+    "routing_replay_config_kwargs",
+]
+
+
+def _gpt_model(model_chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    module = model_chunk
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "decoder"):
+        raise TypeError(f"{type(model_chunk).__name__} does not wrap a model with a decoder")
+    return module
+
+
+def moe_layer_numbers(model_chunk) -> list:
+    """Global 1-based layer numbers of the MoE layers a model chunk builds, increasing."""
+    return _gpt_model(model_chunk).decoder.moe_layer_numbers
+
+
+def moe_routing_for_chunk(
+    model_chunk,
+    expert_ids: Optional[torch.Tensor] = None,
+    layer_numbers: Optional[Sequence[int]] = None,
+) -> MoERouting:
+    """A MoERouting for one microbatch on ``model_chunk``.
+
+    Args:
+        model_chunk: the (possibly wrapped) GPTModel chunk the forward step runs.
+        expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` routes, or None
+            to route live (the routes taken are recorded either way).
+        layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
+            chunk does not build are dropped. Default: exactly the chunk's MoE layers.
+    """
+    chunk_layers = moe_layer_numbers(model_chunk)
+    if expert_ids is not None and layer_numbers is not None:
+        layer_numbers = [int(n) for n in layer_numbers]
+        if layer_numbers != chunk_layers:
+            missing = sorted(set(chunk_layers) - set(layer_numbers))
+            if missing:
+                raise ValueError(
+                    f"routes cover MoE layers {layer_numbers}; this chunk also needs {missing}"
+                )
+            rows = torch.tensor(
+                [layer_numbers.index(n) for n in chunk_layers],
+                dtype=torch.long,
+                device=expert_ids.device,
+            )
+            expert_ids = expert_ids.index_select(0, rows)
+    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids)
+
+
+def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-style flags for routing replay (mirrors the TransformerConfig fields)."""
+    group = parser.add_argument_group(title="routing replay")
+    group.add_argument(
+        "--moe-enable-routing-replay",
+        action="store_true",
+        help="Let MoE routers replay (R3) or record (R2) per-microbatch expert routes given as "
+        "the moe_routing forward input; rejects options that would ignore the replayed routes.",
+    )
+    group.add_argument(
+        "--no-moe-routing-replay-check-values",
+        dest="moe_routing_replay_check_values",
+        action="store_false",
+        help="Skip the host-side value check of replayed expert ids (range, duplicates, partly "
+        "-1 rows) before each forward; shapes are still checked. Saves one device sync.",
+    )
+    return parser
+
+
+def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
+    """TransformerConfig keyword arguments from the parsed flags."""
+    return {
+        "moe_enable_routing_replay": args.moe_enable_routing_replay,
+        "moe_routing_replay_check_values": args.moe_routing_replay_check_values,
+    }

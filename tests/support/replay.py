@@ -1,0 +1,118 @@
+"""Single-process Megatron fixtures for the routing-replay tests (gloo group of one)."""
+
+import os
+import socket
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from tests.support.cpu_rng import install_cpu_rng
+
+NUM_EXPERTS = 8
+TOPK = 2
+VOCAB = 64
+SEQ = 16
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_single_rank():
+    """One gloo rank with every model-parallel size 1 (idempotent)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    install_cpu_rng()
+
+
+def make_config(**overrides):
+    """A tiny MoE config with replay on: dense first layer, three MoE layers."""
+    kwargs = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=16,
+        ffn_hidden_size=64,
+        use_cpu_initialization=True,
+        moe_layer_freq=[0, 1, 1, 1],
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="alltoall",
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def make_model(config, seed=7):
+    """A GPTModel with deterministic weights for ``seed``."""
+    install_cpu_rng(seed)
+    torch.manual_seed(seed)
+    return GPTModel(
+        config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+    )
+
+
+def make_batch(batch_size=2, seq=SEQ, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch_size, -1)
+    return tokens, position_ids, labels
+
+
+def random_routes(num_layers, num_tokens, seed=0, num_experts=NUM_EXPERTS, topk=TOPK):
+    """int64 [num_layers, num_tokens, topk] distinct random experts per token."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_layers, num_tokens, num_experts, generator=gen)
+    return scores.topk(topk, dim=-1).indices.to(torch.int64)
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+@contextmanager
+def capture_routes(model):
+    """Record each MoE layer's routing map per call: {layer_number: [bool [T, E], ...]}."""
+    seen = {}
+    handles = []
+    for layer in moe_layers(model):
+
+        def hook(module, args, output, layer_number=layer.layer_number):
+            seen.setdefault(layer_number, []).append(output[1].detach().clone())
+
+        handles.append(layer.router.register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def routes_as_map(expert_ids, num_experts=NUM_EXPERTS):
+    """bool [T, E] routing map of an int64 [T, k] route tensor."""
+    return torch.zeros(expert_ids.shape[0], num_experts, dtype=torch.bool).scatter(
+        1, expert_ids, True
+    )

@@ -1,0 +1,139 @@
+"""The layout harness with routing replay: each microbatch carries forced routes.
+
+Forced routes are given per global token id (``{layer: int64 [num_tokens, k]}``, 0-based
+layer index as in ``RouterRecorder``). Each rank turns them into the data-plane contract
+for every microbatch and model chunk: ``expert_ids [num_local_moe_layers, num_local_tokens,
+k]`` in the router's row order (s-major, after SP scatter and CP partition), padding rows
+-1, and hands them to the model as ``moe_routing`` from its forward step, on every
+pipeline stage.
+"""
+
+import contextlib
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
+from tests.support.batches import bshd_microbatches, thd_microbatches
+from tests.support.harness import Step, _local_losses
+from tests.support.parallel import Layout, init_parallel
+from tests.support.routes import RouterRecorder, router_token_index
+from tests.support.schedule import forward_backward, loss_func
+from tests.support.tiny_moe import build_gpt, make_config
+from tests.support.weights import grad_shards, reduce_grads
+
+
+def random_forced_routes(model, num_tokens: int, seed: int, no_route_every: int = 0) -> dict:
+    """Distinct random experts per token for every MoE layer: ``{layer: [num_tokens, k]}``.
+
+    With ``no_route_every=n``, every n-th token has no route (-1 row) in every layer.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in model.moe_layers:
+        experts = torch.rand(num_tokens, model.num_experts, generator=gen).topk(model.topk).indices
+        if no_route_every:
+            experts[::no_route_every] = -1
+        out[layer] = experts
+    return out
+
+
+def chunk_expert_ids(chunk, token_index: torch.Tensor, forced: dict) -> torch.Tensor:
+    """This chunk's ``[num_moe_layers, len(token_index), k]`` routes; -1 rows for padding."""
+    rows = []
+    for layer_number in moe_layer_numbers(chunk):
+        experts = forced[layer_number - 1][token_index.clamp(min=0).cpu()]
+        experts[token_index.cpu() < 0] = -1
+        rows.append(experts)
+    if not rows:
+        k = next(iter(forced.values())).shape[1]
+        return torch.empty(0, token_index.numel(), k, dtype=torch.long)
+    return torch.stack(rows).to(torch.long)
+
+
+def replay_forward_step(
+    data_iterator, model, recorder=None, forced=None, sequence_parallel=False, recordings=None
+):
+    """The harness's forward step, plus this microbatch's routes as ``moe_routing``.
+
+    ``forced=None`` routes live (and only records). Each microbatch's MoERouting is
+    appended to ``recordings`` with the global token id of each router row.
+    """
+    mb = next(data_iterator)
+    token_index = router_token_index(mb, sequence_parallel)
+    expert_ids = None
+    if forced is not None:
+        expert_ids = chunk_expert_ids(model, token_index, forced).to(mb.tokens.device)
+    routing = moe_routing_for_chunk(model, expert_ids)
+    if recordings is not None:
+        recordings.append((token_index.cpu(), routing))
+    # Only the first stage gets token ids: later stages count their router rows from the
+    # received activation, and still route their own MoE layers.
+    first = model.pre_process
+    with recorder.microbatch(mb) if recorder else contextlib.nullcontext():
+        per_token_loss = model(
+            input_ids=mb.tokens if first else None,
+            position_ids=mb.position_ids if first else None,
+            attention_mask=None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed_seq_params,
+            moe_routing=routing,
+        )
+    return per_token_loss, partial(loss_func, mb)
+
+
+def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
+    """Worker: ``harness.run_layout`` with every microbatch replaying ``forced``."""
+    device = init_parallel(layout)
+    try:
+        overrides = dict(step.config_overrides, moe_enable_routing_replay=True)
+        if layout.recompute == "selective":
+            overrides["recompute_modules"] = ["moe"]
+        config = make_config(layout, step.model, **overrides)
+        chunks = build_gpt(config, step.model, step.seed, device)
+        if layout.packed:
+            microbatches = thd_microbatches(
+                data, step.micro_batch_size, sequence_parallel=layout.sp, device=device
+            )
+        else:
+            microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
+        recorder = RouterRecorder(chunks, config.sequence_parallel)
+        recordings = []
+        results = forward_backward(
+            chunks,
+            microbatches,
+            step.forward_only,
+            recorder,
+            forward_step_func=partial(
+                replay_forward_step,
+                forced=forced,
+                sequence_parallel=config.sequence_parallel,
+                recordings=recordings,
+            ),
+        )
+        recorder.remove()
+        out = {
+            "losses": _local_losses(results),
+            "routes": recorder.routes,
+            "recorded": _recorded_routes(recordings),
+            "router_margins": recorder.margins,
+        }
+        if not step.forward_only:
+            reduce_grads(chunks, config)
+            out["grads"] = grad_shards(chunks)
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _recorded_routes(recordings) -> dict:
+    """What the MoERoutings recorded, in ``RouterRecorder.routes`` form (experts ascending)."""
+    out = {}
+    for token_index, routing in recordings:
+        real = token_index >= 0
+        recorded = routing.recorded_expert_ids().cpu()
+        for row, layer_number in enumerate(routing.layer_numbers):
+            experts = recorded[row][real].sort(dim=-1).values
+            out.setdefault(layer_number - 1, []).append((token_index[real], experts))
+    return out

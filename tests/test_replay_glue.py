@@ -1,0 +1,66 @@
+"""megatron_r3.routing_replay: chunk routes and Megatron-style flags."""
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_r3.routing_replay import (
+    add_routing_replay_args,
+    moe_layer_numbers,
+    moe_routing_for_chunk,
+    routing_replay_config_kwargs,
+)
+from tests.support.replay import init_single_rank, make_config, make_model, random_routes
+
+
+@pytest.fixture(scope="module")
+def model():
+    init_single_rank()
+    return make_model(make_config())
+
+
+class Wrapper(torch.nn.Module):
+    """Stands for DDP / Float16Module: the GPTModel is .module."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_chunk_layers_through_wrappers(model):
+    assert moe_layer_numbers(model) == [2, 3, 4]
+    assert moe_layer_numbers(Wrapper(Wrapper(model))) == [2, 3, 4]
+
+
+def test_routes_for_more_layers_are_cut_to_the_chunk(model):
+    ids = random_routes(5, 8)
+    routing = moe_routing_for_chunk(Wrapper(model), ids, layer_numbers=[1, 2, 3, 4, 5])
+    assert routing.layer_numbers == [2, 3, 4]
+    assert torch.equal(routing.expert_ids, ids[1:4])
+    assert torch.equal(moe_routing_for_chunk(model, ids[1:4]).expert_ids, ids[1:4])
+
+
+def test_routes_missing_a_chunk_layer_are_refused(model):
+    with pytest.raises(ValueError, match="also needs \\[4\\]"):
+        moe_routing_for_chunk(model, random_routes(2, 8), layer_numbers=[2, 3])
+
+
+def test_live_routing_for_recording(model):
+    routing = moe_routing_for_chunk(model)
+    assert routing.expert_ids is None and routing.layer_numbers == [2, 3, 4]
+
+
+def test_flags_map_to_config_fields():
+    parser = add_routing_replay_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--moe-enable-routing-replay"])
+    assert routing_replay_config_kwargs(args) == {
+        "moe_enable_routing_replay": True,
+        "moe_routing_replay_check_values": True,
+    }
+    args = parser.parse_args(["--no-moe-routing-replay-check-values"])
+    assert routing_replay_config_kwargs(args) == {
+        "moe_enable_routing_replay": False,
+        "moe_routing_replay_check_values": False,
+    }
+    make_config(**routing_replay_config_kwargs(parser.parse_args(["--moe-enable-routing-replay"])))
