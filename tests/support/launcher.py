@@ -6,11 +6,11 @@ enough GPUs are visible), calls ``fn(*args, **kwargs)`` and sends its return
 value back through ``torch.save``. A worker's exception is re-raised in the
 parent with that rank's traceback; a hung run is killed after ``timeout``.
 
-On a machine without CUDA, processes come from a forkserver that has already
-imported torch and Megatron-Core, so a launch costs a fork, not a fresh
-interpreter. Where CUDA is available they are spawned (CUDA does not survive a
-fork), and gloo runs hide the GPUs from the workers so that Megatron's
-"current device" is the CPU their tensors live on.
+gloo workers come from a forkserver that has already imported torch and
+Megatron-Core, so a launch costs a fork, not a fresh interpreter. The
+forkserver starts with the GPUs hidden, so that Megatron's "current device" in
+its children is the CPU their tensors live on. NCCL workers are spawned (CUDA
+does not survive a fork).
 """
 
 import contextlib
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 _PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron_r3"]
-_context = None
+_forkserver = None
 
 
 class WorkerError(RuntimeError):
@@ -74,8 +74,7 @@ def run_workers(
         WorkerError: a worker raised, exited abnormally, or the run timed out.
     """
     backend = backend or default_backend(world_size)
-    ctx = _get_context()
-    hide_gpus = backend == "gloo" and torch.cuda.is_available()
+    ctx = _get_context(backend)
     with tempfile.TemporaryDirectory(prefix="r3-workers-") as outdir:
         port = _free_port()
         procs = [
@@ -86,7 +85,9 @@ def run_workers(
             )
             for rank in range(world_size)
         ]
-        with _environ(CUDA_VISIBLE_DEVICES="") if hide_gpus else contextlib.nullcontext():
+        # The forkserver (started by the first gloo launch) keeps the environment it
+        # started with, so hiding the GPUs here hides them from every gloo worker.
+        with _environ(CUDA_VISIBLE_DEVICES="") if backend == "gloo" else contextlib.nullcontext():
             for proc in procs:
                 proc.start()
         try:
@@ -102,15 +103,14 @@ def run_workers(
         ]
 
 
-def _get_context():
-    global _context
-    if _context is None:
-        if torch.cuda.is_available():
-            _context = multiprocessing.get_context("spawn")
-        else:
-            _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(_PRELOAD)
-    return _context
+def _get_context(backend: str):
+    if backend == "nccl":
+        return multiprocessing.get_context("spawn")
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(_PRELOAD)
+    return _forkserver
 
 
 @contextlib.contextmanager
