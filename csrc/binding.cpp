@@ -5,6 +5,21 @@
 
 namespace {
 
+// Index bounds of a host plan, checked before any write so a bad plan leaves the output
+// untouched. A device plan is trusted (reading it here would sync with the device).
+void check_plan_bounds(const at::Tensor& token_index, const at::Tensor& layer_index, int64_t num_tokens,
+                       int64_t num_layers) {
+  if (!token_index.is_cpu()) return;
+  const int32_t* tok = token_index.data_ptr<int32_t>();
+  const int32_t* lay = layer_index.data_ptr<int32_t>();
+  for (int64_t i = 0; i < token_index.size(0); ++i)
+    TORCH_CHECK(tok[i] >= -1 && tok[i] < num_tokens, "token_index[", i, "] = ", static_cast<int64_t>(tok[i]),
+                " outside [-1, ", num_tokens, ")");
+  for (int64_t i = 0; i < layer_index.size(0); ++i)
+    TORCH_CHECK(lay[i] >= 0 && lay[i] < num_layers, "layer_index[", i, "] = ", static_cast<int64_t>(lay[i]),
+                " outside [0, ", num_layers, ")");
+}
+
 void check_plan(const at::Tensor& token_index, const at::Tensor& layer_index, const at::Device& device) {
   TORCH_CHECK(token_index.scalar_type() == at::kInt && layer_index.scalar_type() == at::kInt,
               "token_index and layer_index must be int32");
@@ -29,6 +44,7 @@ at::Tensor gather_routes(const at::Tensor& ids, const at::Tensor& valid, const a
                          const at::Tensor& layer_index, c10::optional<at::Tensor> out_opt) {
   check_compact(ids, valid);
   check_plan(token_index, layer_index, ids.device());
+  check_plan_bounds(token_index, layer_index, ids.size(0), ids.size(1));
   const int64_t k = ids.size(2);
   at::Tensor out = out_opt.has_value()
                        ? *out_opt
@@ -54,6 +70,7 @@ void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index,
                     at::Tensor out_ids, at::Tensor out_valid) {
   check_compact(out_ids, out_valid);
   check_plan(token_index, layer_index, out_ids.device());
+  check_plan_bounds(token_index, layer_index, out_ids.size(0), out_ids.size(1));
   TORCH_CHECK(expert_ids.scalar_type() == at::kLong || expert_ids.scalar_type() == at::kInt,
               "recorded expert ids must be int64 or int32");
   TORCH_CHECK(expert_ids.dim() == 3 && expert_ids.is_contiguous() && expert_ids.size(0) == layer_index.size(0) &&

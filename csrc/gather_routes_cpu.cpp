@@ -15,7 +15,6 @@ static void gather_rows(const at::Tensor& ids, const at::Tensor& valid, const at
   const int32_t* tok = token_index.data_ptr<int32_t>();
   const int32_t* lay = layer_index.data_ptr<int32_t>();
   int64_t* dst = out.data_ptr<int64_t>();
-  check_plan_bounds(tok, n, lay, layer_index.size(0), num_src_tokens, num_src_layers);
   at::parallel_for(0, rows, 2048, [&](int64_t begin, int64_t end) {
     int64_t layer = begin / n, token = begin % n;  // walk rows in order; divide once per chunk
     for (int64_t row = begin; row < end; ++row) {

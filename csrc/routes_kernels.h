@@ -14,17 +14,7 @@
 
 namespace r3 {
 
-// Checked before any write, so a bad plan leaves the output untouched.
-inline void check_plan_bounds(const int32_t* tok, int64_t n, const int32_t* lay, int64_t l, int64_t num_tokens,
-                              int64_t num_layers) {
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(tok[i] >= -1 && tok[i] < num_tokens, "token_index[", i, "] = ", tok[i], " outside [-1, ",
-                num_tokens, ")");
-  for (int64_t i = 0; i < l; ++i)
-    TORCH_CHECK(lay[i] >= 0 && lay[i] < num_layers, "layer_index[", i, "] = ", lay[i], " outside [0, ",
-                num_layers, ")");
-}
-
+// The kernels trust the plan: the binding checks index bounds before any write.
 void gather_routes_cpu(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
                        const at::Tensor& layer_index, at::Tensor& out);
 void scatter_routes_cpu(const at::Tensor& expert_ids, const at::Tensor& token_index,
