@@ -27,6 +27,31 @@ except ImportError:  # extension not built: the reference path still works
     _C = None
 
 
+def check_packing_args(compact_ids: torch.Tensor, token_index: torch.Tensor, layer_index: torch.Tensor) -> None:
+    """Raise ValueError on arguments the kernels would reject, before any kernel runs.
+
+    Bounds are checked for host plans only: reading a device plan would sync with
+    the device, and device plans come from :class:`~megatron_r3.plan.RoutingPlan`.
+    """
+    if compact_ids.dtype not in (torch.uint8, torch.int16):
+        raise ValueError(f"compact ids must be uint8 or int16, got {compact_ids.dtype}")
+    if token_index.dtype != torch.int32 or layer_index.dtype != torch.int32:
+        raise ValueError(
+            f"token_index and layer_index must be int32, got {token_index.dtype} and {layer_index.dtype}"
+        )
+    if not token_index.is_cpu:
+        return
+    num_tokens, num_layers = compact_ids.shape[0], compact_ids.shape[1]
+    bad = ((token_index < -1) | (token_index >= num_tokens)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"token_index[{i}] = {int(token_index[i])} outside [-1, {num_tokens})")
+    bad = ((layer_index < 0) | (layer_index >= num_layers)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"layer_index[{i}] = {int(layer_index[i])} outside [0, {num_layers})")
+
+
 def gather_routes_reference(
     ids: torch.Tensor, valid: torch.Tensor, token_index: torch.Tensor, layer_index: torch.Tensor
 ) -> torch.Tensor:
@@ -77,6 +102,7 @@ def gather_routes(
     All tensors on one device. Launches one kernel on the current stream; never
     synchronises with the host.
     """
+    check_packing_args(ids, token_index, layer_index)
     if _C is not None and (ids.is_cpu or _C.WITH_CUDA):
         return _C.gather_routes(ids, valid, token_index, layer_index, out)
     result = gather_routes_reference(ids, valid, token_index, layer_index)
@@ -102,6 +128,7 @@ def scatter_routes(
         out_ids: Compact ``[N, L, K]`` uint8/int16 to write into.
         out_valid: bool ``[N, L]``, set True where a row is written.
     """
+    check_packing_args(out_ids, token_index, layer_index)
     if _C is not None and (expert_ids.is_cpu or _C.WITH_CUDA):
         _C.scatter_routes(expert_ids, token_index, layer_index, out_ids, out_valid)
     else:

@@ -112,18 +112,36 @@ def test_gather_then_scatter_round_trips_every_rank():
     assert torch.equal(torch.where(valid[..., None], out_ids, 0), torch.where(valid[..., None], ids, 0))
 
 
-def test_kernel_rejects_bad_input():
+def test_front_end_rejects_bad_input_before_any_kernel():
     ids = torch.zeros((4, 2, 2), dtype=torch.uint8)
     valid = torch.ones((4, 2), dtype=torch.bool)
+    tok = torch.tensor([0, 1], dtype=torch.int32)
     lay = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="token_index"):
+    with pytest.raises(ValueError, match=r"token_index\[1\] = 4 outside \[-1, 4\)"):
         gather_routes(ids, valid, torch.tensor([0, 4], dtype=torch.int32), lay)
-    with pytest.raises(RuntimeError, match="int32"):
+    with pytest.raises(ValueError, match="int32"):
         gather_routes(ids, valid, torch.tensor([0, 1]), lay)
+    with pytest.raises(ValueError, match="uint8 or int16"):
+        gather_routes(ids.int(), valid, tok, lay)
+    with pytest.raises(ValueError, match=r"layer_index\[0\] = 2 outside \[0, 2\)"):
+        gather_routes(ids, valid, tok, torch.tensor([2], dtype=torch.int32))
+    out_ids, out_valid = torch.zeros_like(ids), torch.zeros_like(valid)
+    with pytest.raises(ValueError, match=r"token_index\[0\] = -2"):
+        scatter_routes(torch.zeros((2, 2, 2), dtype=torch.long), torch.tensor([-2, 0], dtype=torch.int32),
+                       lay, out_ids, out_valid)
+    assert not out_valid.any()
+
+
+def test_kernel_checks_dtypes_itself():
+    # Defence in depth for direct callers of the extension (the dtype path is the one
+    # exception route seen to work on every build, see docs/dataplane.md).
+    assert megatron_r3.kernel_info()["cpu"], "the C++ extension was not built"
+    from megatron_r3 import _C
+
+    ids = torch.zeros((4, 2, 2), dtype=torch.int32)
     with pytest.raises(RuntimeError, match="uint8 or int16"):
-        gather_routes(ids.int(), valid, torch.tensor([0, 1], dtype=torch.int32), lay)
-    with pytest.raises(RuntimeError, match="layer_index"):
-        gather_routes(ids, valid, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
+        _C.gather_routes(ids, torch.ones((4, 2), dtype=torch.bool), torch.zeros(2, dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.gpu
