@@ -200,3 +200,10 @@ def thd_microbatches(
             Microbatch(**batch, packed_seq_params=params, seq_length=int(cu_padded[-1])).to(device)
         )
     return out
+
+
+def layout_microbatches(layout, data: Sequences, micro_batch_size: int, device=None) -> list[Microbatch]:
+    """This rank's microbatches for ``layout``: packed THD or padded BSHD."""
+    if layout.packed:
+        return thd_microbatches(data, micro_batch_size, sequence_parallel=layout.sp, device=device)
+    return bshd_microbatches(data, micro_batch_size, device=device)

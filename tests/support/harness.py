@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 
-from tests.support.batches import Sequences, bshd_microbatches, thd_microbatches
+from tests.support.batches import Sequences, layout_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
 from tests.support.schedule import forward_backward, forward_step
@@ -61,12 +61,7 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     try:
         config = make_config(layout, step.model, **dict(step.config_overrides))
         chunks = build_gpt(config, step.model, step.seed, device)
-        if layout.packed:
-            microbatches = thd_microbatches(
-                data, step.micro_batch_size, sequence_parallel=layout.sp, device=device
-            )
-        else:
-            microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
+        microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
         results = forward_backward(
             chunks, microbatches, step.forward_only, recorder, step.forward_step_func

@@ -15,7 +15,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
-from tests.support.batches import bshd_microbatches, thd_microbatches
+from tests.support.batches import layout_microbatches
 from tests.support.harness import Step, _local_losses
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, router_token_index
@@ -92,12 +92,7 @@ def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
             overrides["recompute_modules"] = ["moe"]
         config = make_config(layout, step.model, **overrides)
         chunks = build_gpt(config, step.model, step.seed, device)
-        if layout.packed:
-            microbatches = thd_microbatches(
-                data, step.micro_batch_size, sequence_parallel=layout.sp, device=device
-            )
-        else:
-            microbatches = bshd_microbatches(data, step.micro_batch_size, device=device)
+        microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
         recordings = []
         results = forward_backward(
