@@ -9,19 +9,16 @@ pipeline stage.
 """
 
 import contextlib
+import dataclasses
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
-from tests.support.batches import layout_microbatches
-from tests.support.harness import Step, _local_losses
-from tests.support.parallel import Layout, init_parallel
-from tests.support.routes import RouterRecorder, router_token_index
-from tests.support.schedule import forward_backward, loss_func
-from tests.support.tiny_moe import build_gpt, make_config
-from tests.support.weights import grad_shards, reduce_grads
+from tests.support.harness import Step, run_layout
+from tests.support.parallel import Layout
+from tests.support.routes import router_token_index
+from tests.support.schedule import loss_func
 
 
 def random_forced_routes(model, num_tokens: int, seed: int, no_route_every: int = 0) -> dict:
@@ -84,42 +81,28 @@ def replay_forward_step(
 
 
 def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
-    """Worker: ``harness.run_layout`` with every microbatch replaying ``forced``."""
-    device = init_parallel(layout)
-    try:
-        overrides = dict(step.config_overrides, moe_enable_routing_replay=True)
-        if layout.recompute == "selective":
-            overrides["recompute_modules"] = ["moe"]
-        config = make_config(layout, step.model, **overrides)
-        chunks = build_gpt(config, step.model, step.seed, device)
-        microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)
-        recorder = RouterRecorder(chunks, config.sequence_parallel)
-        recordings = []
-        results = forward_backward(
-            chunks,
-            microbatches,
-            step.forward_only,
-            recorder,
-            forward_step_func=partial(
-                replay_forward_step,
-                forced=forced,
-                sequence_parallel=config.sequence_parallel,
-                recordings=recordings,
-            ),
-        )
-        recorder.remove()
-        out = {
-            "losses": _local_losses(results),
-            "routes": recorder.routes,
-            "recorded": _recorded_routes(recordings),
-            "router_margins": recorder.margins,
-        }
-        if not step.forward_only:
-            reduce_grads(chunks, config)
-            out["grads"] = grad_shards(chunks)
-        return out
-    finally:
-        parallel_state.destroy_model_parallel()
+    """Worker: ``harness.run_layout`` with every microbatch replaying ``forced``.
+
+    Returns what ``run_layout`` returns, plus ``"recorded"``: the routes each
+    MoERouting recorded, in ``RouterRecorder.routes`` form.
+    """
+    overrides = dict(step.config_overrides, moe_enable_routing_replay=True)
+    if layout.recompute == "selective":
+        overrides["recompute_modules"] = ["moe"]
+    recordings = []
+    replay_step = dataclasses.replace(
+        step,
+        config_overrides=tuple(overrides.items()),
+        forward_step_func=partial(
+            replay_forward_step,
+            forced=forced,
+            sequence_parallel=layout.sp,
+            recordings=recordings,
+        ),
+    )
+    out = run_layout(layout, data, replay_step)
+    out["recorded"] = _recorded_routes(recordings)
+    return out
 
 
 def _recorded_routes(recordings) -> dict:
