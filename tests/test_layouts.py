@@ -24,6 +24,7 @@ import torch
 from tests.support.batches import make_sequences
 from tests.support.harness import (
     Step,
+    assert_losses_and_grads_match,
     full_grads,
     full_token_losses,
     router_margins,
@@ -118,13 +119,9 @@ def _assert_matches(reference, results, data):
     assert got_routes.keys() == ref_routes.keys()
     for layer, experts in ref_routes.items():
         assert torch.equal(got_routes[layer], experts), f"layer {layer}: routing differs"
-    losses = full_token_losses(results, data.num_tokens)
-    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
-    grads = full_grads(results)
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        err = (grads[name] - ref).abs().max().item() / ref.abs().max().item()
-        assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.3g}"
+    assert_losses_and_grads_match(
+        results, ref_losses, ref_grads, data.num_tokens, LOSS_ATOL, GRAD_RTOL
+    )
 
 
 @pytest.mark.parametrize("layout", BSHD_LAYOUTS, ids=lambda layout: layout.name)

@@ -15,6 +15,7 @@ import torch
 
 from tests.support.harness import (
     Step,
+    assert_losses_and_grads_match,
     full_grads,
     full_token_losses,
     router_margins,
@@ -77,17 +78,9 @@ def _assert_matches(reference, results, data):
     assert taken.keys() == ref_routes.keys()
     for layer, experts in ref_routes.items():
         assert torch.equal(taken[layer], experts), f"layer {layer}: routes differ from reference"
-    losses = full_token_losses(results, data.num_tokens)
-    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
-    grads = full_grads(results)
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        scale = ref.abs().max().item()
-        if scale == 0:  # e.g. experts no token was sent to
-            assert not grads[name].any(), f"{name}: gradient where the reference has none"
-            continue
-        err = (grads[name] - ref).abs().max().item() / scale
-        assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.3g}"
+    assert_losses_and_grads_match(
+        results, ref_losses, ref_grads, data.num_tokens, LOSS_ATOL, GRAD_RTOL
+    )
 
 
 @pytest.fixture(scope="module")

@@ -125,3 +125,27 @@ def router_margins(results: list[dict]) -> dict[int, float]:
 def routes(results: list[dict], num_tokens: int, topk: int) -> dict[int, torch.Tensor]:
     """The experts of every token per MoE layer, ``{layer: [num_tokens, k]}``."""
     return full_routes([r["routes"] for r in results], num_tokens, topk)
+
+
+def assert_losses_and_grads_match(
+    results: list[dict],
+    ref_losses: torch.Tensor,
+    ref_grads: dict[str, torch.Tensor],
+    num_tokens: int,
+    loss_atol: float,
+    grad_rtol: float,
+) -> None:
+    """Per-token losses within ``loss_atol``; every gradient within ``grad_rtol`` of the
+    reference tensor's largest value (exactly zero where the reference is all zero,
+    e.g. experts no token was sent to)."""
+    losses = full_token_losses(results, num_tokens)
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=loss_atol)
+    grads = full_grads(results)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().item()
+        if scale == 0:
+            assert not grads[name].any(), f"{name}: gradient where the reference has none"
+            continue
+        err = (grads[name] - ref).abs().max().item() / scale
+        assert err <= grad_rtol, f"{name}: relative gradient error {err:.3g}"
