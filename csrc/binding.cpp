@@ -29,20 +29,25 @@ void check_plan(const at::Tensor& token_index, const at::Tensor& layer_index, co
               "index maps must live on the routes' device");
 }
 
-void check_compact(const at::Tensor& ids, const at::Tensor& valid) {
+void check_compact(const at::Tensor& ids) {
   TORCH_CHECK(ids.scalar_type() == at::kByte || ids.scalar_type() == at::kShort,
               "compact ids must be uint8 or int16, got ", ids.scalar_type());
   TORCH_CHECK(ids.dim() == 3 && ids.is_contiguous(), "compact ids must be contiguous [tokens, layers, topk]");
-  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous() && valid.dim() == 2 &&
-                  valid.size(0) == ids.size(0) && valid.size(1) == ids.size(1),
-              "valid must be contiguous bool [tokens, layers] matching ids");
-  TORCH_CHECK(valid.device() == ids.device(), "ids and valid must share a device");
+}
+
+// A contiguous bool mask on the ids' device whose shape is the leading `dims` sizes of ids.
+void check_mask(const at::Tensor& mask, const at::Tensor& ids, int64_t dims, const char* what) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == dims &&
+                  mask.sizes() == ids.sizes().slice(0, dims) && mask.device() == ids.device(),
+              what, " must be contiguous bool ", ids.sizes().slice(0, dims), " on the ids' device, got ",
+              mask.scalar_type(), " ", mask.sizes());
 }
 
 // Returns expert_ids [layers, tokens, topk] int64 for this rank.
 at::Tensor gather_routes(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
                          const at::Tensor& layer_index, c10::optional<at::Tensor> out_opt) {
-  check_compact(ids, valid);
+  check_compact(ids);
+  check_mask(valid, ids, 1, "valid");
   check_plan(token_index, layer_index, ids.device());
   check_plan_bounds(token_index, layer_index, ids.size(0), ids.size(1));
   const int64_t k = ids.size(2);
@@ -67,8 +72,9 @@ at::Tensor gather_routes(const at::Tensor& ids, const at::Tensor& valid, const a
 
 // Writes this rank's recorded rows into the global compact layout, in place.
 void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index, const at::Tensor& layer_index,
-                    at::Tensor out_ids, at::Tensor out_valid) {
-  check_compact(out_ids, out_valid);
+                    at::Tensor out_ids, at::Tensor out_recorded) {
+  check_compact(out_ids);
+  check_mask(out_recorded, out_ids, 2, "out_recorded");
   check_plan(token_index, layer_index, out_ids.device());
   check_plan_bounds(token_index, layer_index, out_ids.size(0), out_ids.size(1));
   TORCH_CHECK(expert_ids.scalar_type() == at::kLong || expert_ids.scalar_type() == at::kInt,
@@ -80,12 +86,12 @@ void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index,
   if (expert_ids.numel() == 0) return;
 #ifdef R3_WITH_CUDA
   if (expert_ids.is_cuda()) {
-    r3::scatter_routes_cuda(expert_ids, token_index, layer_index, out_ids, out_valid);
+    r3::scatter_routes_cuda(expert_ids, token_index, layer_index, out_ids, out_recorded);
     return;
   }
 #endif
   TORCH_CHECK(expert_ids.is_cpu(), "no kernel for device ", expert_ids.device(), " in this build");
-  r3::scatter_routes_cpu(expert_ids, token_index, layer_index, out_ids, out_valid);
+  r3::scatter_routes_cpu(expert_ids, token_index, layer_index, out_ids, out_recorded);
 }
 
 }  // namespace
@@ -102,5 +108,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("scatter_routes", &scatter_routes, "this rank's recorded expert_ids -> global compact routes (in place)",
         py::arg("expert_ids"), py::arg("token_index"), py::arg("layer_index"), py::arg("out_ids"),
-        py::arg("out_valid"));
+        py::arg("out_recorded"));
 }

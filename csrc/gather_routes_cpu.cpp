@@ -8,7 +8,7 @@ namespace r3 {
 template <typename id_t>
 static void gather_rows(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
                         const at::Tensor& layer_index, at::Tensor& out) {
-  const int64_t num_src_tokens = ids.size(0), num_src_layers = ids.size(1), k = ids.size(2);
+  const int64_t num_src_layers = ids.size(1), k = ids.size(2);
   const int64_t n = token_index.size(0), rows = layer_index.size(0) * n;
   const id_t* src = ids.data_ptr<id_t>();
   const bool* ok = valid.data_ptr<bool>();
@@ -18,12 +18,12 @@ static void gather_rows(const at::Tensor& ids, const at::Tensor& valid, const at
   at::parallel_for(0, rows, 2048, [&](int64_t begin, int64_t end) {
     int64_t layer = begin / n, token = begin % n;  // walk rows in order; divide once per chunk
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t t = tok[token], s = t * num_src_layers + lay[layer];
+      const int64_t t = tok[token];
       int64_t* o = dst + row * k;
-      if (t < 0 || !ok[s]) {
+      if (t < 0 || !ok[t]) {
         for (int64_t j = 0; j < k; ++j) o[j] = -1;
       } else {
-        const id_t* i = src + s * k;
+        const id_t* i = src + (t * num_src_layers + lay[layer]) * k;
         for (int64_t j = 0; j < k; ++j) o[j] = static_cast<int64_t>(i[j]);
       }
       if (++token == n) {

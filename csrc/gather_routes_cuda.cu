@@ -1,11 +1,12 @@
 // CUDA gather (replay): compact uint8/int16 routes -> this rank's expert_ids [layers, tokens, topk] int64.
 //
-// Memory-bound by design. A block owns a tile of kTileTokens consecutive router tokens and up to
-// kTileLayers local layers. It walks the tile layer by layer; within a layer, consecutive threads produce
-// consecutive pairs of outputs (one load of two compact ids, one 16-byte store), so a warp writes 512
-// contiguous bytes per store. A source token's ids for all layers share a few 32-byte sectors; because one
-// block walks all of a tile's layers, those sectors come from DRAM about once and then from cache, instead
-// of once per layer. The source row comes from the plan's int32 index maps; padding (-1) and invalid rows give -1.
+// Memory-bound by design: the int64 output is 8x the compact input, so the kernel lives or dies by how well
+// it keeps stores streaming. A block owns a tile of kTileTokens consecutive router tokens and up to
+// kTileLayers local layers. It first resolves the tile's tokens once (index map, per-token validity) into
+// shared memory, so each output needs a single dependent load: its compact ids. Then consecutive threads
+// produce consecutive pairs of outputs (a warp stores 512 contiguous bytes per instruction), with kUnroll
+// loads issued before any store so that a thread keeps several loads in flight. A source token's ids for
+// all of a tile's layers share a few 32-byte sectors, so the block reads them from DRAM about once.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,6 +19,7 @@ namespace {
 constexpr uint32_t kTileTokens = 64;
 constexpr uint32_t kTileLayers = 8;
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -30,33 +32,48 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* __restrict__ token_index, const int32_t* __restrict__ layer_index,
                          int64_t* __restrict__ out, uint32_t num_local_tokens, uint32_t num_local_layers,
                          uint32_t topk, uint32_t num_src_layers) {
+  __shared__ int64_t src_row0[kTileTokens];  // source row of the tile token's layer 0, or -1: no route
+  __shared__ int32_t src_layer[kTileLayers];
   const uint32_t token0 = blockIdx.x * kTileTokens;
   const uint32_t layer0 = blockIdx.y * kTileLayers;
   const uint32_t tile_tokens = min(kTileTokens, num_local_tokens - token0);
   const uint32_t tile_layers = min(kTileLayers, num_local_layers - layer0);
+  if (threadIdx.x < tile_tokens) {
+    const int32_t src_token = __ldg(token_index + token0 + threadIdx.x);
+    src_row0[threadIdx.x] = src_token >= 0 && valid[src_token] ? int64_t{src_token} * num_src_layers : -1;
+  }
+  if (threadIdx.x < tile_layers) src_layer[threadIdx.x] = __ldg(layer_index + layer0 + threadIdx.x);
+  __syncthreads();
+
   const uint32_t units_per_layer = tile_tokens * topk / VEC;  // VEC divides topk
   const uint32_t units = units_per_layer * tile_layers;
-  for (uint32_t u = threadIdx.x; u < units; u += kThreads) {
-    const uint32_t l = u / units_per_layer;
-    const uint32_t e = (u - l * units_per_layer) * VEC;
-    const uint32_t t = e / topk;
-    const uint32_t j = e - t * topk;
-    const uint32_t layer = layer0 + l;
-    const int32_t src_token = __ldg(token_index + token0 + t);
-    Vec<int64_t, VEC> result;
+  for (uint32_t first = threadIdx.x; first < units; first += kThreads * kUnroll) {
+    Vec<int64_t, VEC> result[kUnroll];
+    int64_t dst[kUnroll];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) result.v[i] = -1;
-    if (src_token >= 0) {
-      const int64_t src_row = static_cast<int64_t>(src_token) * num_src_layers + __ldg(layer_index + layer);
-      // Both loads are issued before either is waited on: the ids of an invalid row are in bounds, just unused.
-      const Vec<id_t, VEC> packed = *reinterpret_cast<const Vec<id_t, VEC>*>(ids + src_row * topk + j);
-      if (valid[src_row]) {
+    for (int r = 0; r < kUnroll; ++r) {
+      const uint32_t u = first + r * kThreads;
+      dst[r] = -1;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) result.v[i] = static_cast<int64_t>(packed.v[i]);
+      for (int i = 0; i < VEC; ++i) result[r].v[i] = -1;
+      if (u < units) {
+        const uint32_t l = u / units_per_layer;
+        const uint32_t e = (u - l * units_per_layer) * VEC;
+        const uint32_t t = e / topk;
+        const uint32_t j = e - t * topk;
+        dst[r] = (int64_t{layer0 + l} * num_local_tokens + token0 + t) * topk + j;
+        const int64_t row0 = src_row0[t];
+        if (row0 >= 0) {
+          const Vec<id_t, VEC> packed = *reinterpret_cast<const Vec<id_t, VEC>*>(ids + (row0 + src_layer[l]) * topk + j);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) result[r].v[i] = static_cast<int64_t>(packed.v[i]);
+        }
       }
     }
-    const int64_t dst = (static_cast<int64_t>(layer) * num_local_tokens + token0 + t) * topk + j;
-    *reinterpret_cast<Vec<int64_t, VEC>*>(out + dst) = result;
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      if (dst[r] >= 0) *reinterpret_cast<Vec<int64_t, VEC>*>(out + dst[r]) = result[r];
+    }
   }
 }
 

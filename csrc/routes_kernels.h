@@ -1,11 +1,11 @@
 // Routing packing kernels: declarations shared by the binding and the kernel files.
 //
 // Shapes (N source tokens, L source layers, K = top-k; n router tokens, l local layers):
-//   gather  (replay): ids [N, L, K] uint8|int16, valid [N, L] bool,
+//   gather  (replay): ids [N, L, K] uint8|int16, valid [N] bool (per source token),
 //                     token_index [n] int32 (-1 = padding), layer_index [l] int32
 //                     -> expert_ids [l, n, K] int64, a row of -1 where there is no route.
 //   scatter (record): expert_ids [l, n, K] int64|int32 (a row of -1 = nothing recorded)
-//                     -> writes rows of out_ids [N, L, K] uint8|int16 and out_valid [N, L];
+//                     -> writes rows of out_ids [N, L, K] uint8|int16 and sets out_recorded [N, L];
 //                     rows this rank does not see are left untouched.
 #pragma once
 
@@ -18,13 +18,13 @@ namespace r3 {
 void gather_routes_cpu(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
                        const at::Tensor& layer_index, at::Tensor& out);
 void scatter_routes_cpu(const at::Tensor& expert_ids, const at::Tensor& token_index,
-                        const at::Tensor& layer_index, at::Tensor& out_ids, at::Tensor& out_valid);
+                        const at::Tensor& layer_index, at::Tensor& out_ids, at::Tensor& out_recorded);
 
 #ifdef R3_WITH_CUDA
 void gather_routes_cuda(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,
                         const at::Tensor& layer_index, at::Tensor& out);
 void scatter_routes_cuda(const at::Tensor& expert_ids, const at::Tensor& token_index,
-                         const at::Tensor& layer_index, at::Tensor& out_ids, at::Tensor& out_valid);
+                         const at::Tensor& layer_index, at::Tensor& out_ids, at::Tensor& out_recorded);
 #endif
 
 }  // namespace r3
