@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.16.1+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
-	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available"
+	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU), results printed and written to build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM   apply patches/ to your checkout"
@@ -19,8 +19,11 @@ install:
 $(VPY):
 	@echo "no .venv here: run 'make install' first" >&2; exit 1
 
+# pytest-xdist workers: serial on small machines (CI has 2 cores), half the cores (at most 8) on big ones.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(min(8, n // 2) if n >= 8 else 0)")
+
 test: $(VPY)
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
+	$(VPY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)

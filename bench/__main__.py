@@ -4,10 +4,11 @@
 
 Times, side by side in one run and on the same inputs, the gather (replay)
 kernel, the pure-torch reference, and a plain device-to-device copy that moves
-the same number of bytes (read + write) as the kernel. Each number is the
-median over ``--iters`` iterations timed with CUDA events after ``--warmup``
-iterations. "% of copy BW" is kernel bytes per second over copy bytes per
-second. Also checks that the replay path (upload, pack, a router-style forward
+the same number of bytes (read + write) as the kernel. Device times replay a
+CUDA graph of 20 calls (no Python or launch overhead) and take the median over
+``--iters`` replays after ``--warmup`` calls; per-call times issue calls back
+to back from Python, as a training loop does. "% of copy BW" is kernel bytes
+per second over copy bytes per second. Also checks that the replay path (upload, pack, a router-style forward
 and backward) runs under ``torch.cuda.set_sync_debug_mode("error")``, and
 reports bytes per routing entry on host and device.
 
@@ -35,8 +36,13 @@ from megatron_r3.routes import RolloutRoutes
 from megatron_r3.transport import RouteUploader
 
 
-def timed(fn, device, warmup, iters):
-    """Median seconds of fn() over iters runs (CUDA events on GPU, perf_counter on CPU)."""
+def timed(fn, device, warmup, iters, reps=20):
+    """Device seconds per fn() call: median over iters of a CUDA graph replaying fn reps times.
+
+    Replaying a captured graph keeps the GPU fed, so the figure is the work's own
+    device time, free of Python and launch overhead (see :func:`timed_eager` for that).
+    On the CPU it is the median wall time of single calls.
+    """
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -46,14 +52,36 @@ def timed(fn, device, warmup, iters):
             fn()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(samples)
+
+
+def timed_eager(fn, device, warmup, iters):
+    """Wall seconds per call of fn() issued back to back from Python: what a training loop pays."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
 
 
 def case(device, tokens, layers, topk, cp, num_experts, seq_len, warmup, iters):
@@ -64,13 +92,13 @@ def case(device, tokens, layers, topk, cp, num_experts, seq_len, warmup, iters):
     gen = torch.Generator(device=device).manual_seed(0)
     id_dtype = torch.uint8 if num_experts <= 256 else torch.int16
     ids = torch.randint(0, num_experts, (tokens, layers, topk), generator=gen, device=device).to(id_dtype)
-    valid = torch.rand((tokens, layers), generator=gen, device=device) < 0.98
+    valid = torch.rand(tokens, generator=gen, device=device) < 0.98
     tok = torch.from_numpy(plan.token_index).to(device)
     lay = torch.from_numpy(plan.layer_index).to(device)
     out = torch.empty((layers, len(plan.token_index), topk), dtype=torch.int64, device=device)
 
     entries = out.numel()
-    moved = entries * (8 + ids.element_size()) + layers * len(plan.token_index) + 4 * (tok.numel() + lay.numel())
+    moved = entries * (8 + ids.element_size()) + len(plan.token_index) * (1 + 4) + 4 * lay.numel()
     copy_src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
 
@@ -79,12 +107,15 @@ def case(device, tokens, layers, topk, cp, num_experts, seq_len, warmup, iters):
     assert torch.equal(out, expected), "kernel disagrees with the reference"
     del expected
 
-    t_kernel = timed(lambda: gather_routes(ids, valid, tok, lay, out=out), device, warmup, iters)
-    t_ref = timed(lambda: gather_routes_reference(ids, valid, tok, lay), device, max(2, warmup // 4),
-                  max(5, iters // 4))
+    kernel = lambda: gather_routes(ids, valid, tok, lay, out=out)  # noqa: E731
+    reference = lambda: gather_routes_reference(ids, valid, tok, lay)  # noqa: E731
+    t_kernel = timed(kernel, device, warmup, iters)
+    t_ref = timed(reference, device, max(2, warmup // 4), max(5, iters // 4))
     t_copy = timed(lambda: copy_dst.copy_(copy_src), device, warmup, iters)
     return dict(tokens=tokens, layers=layers, topk=topk, cp=cp, local_tokens=len(plan.token_index),
-                entries=entries, moved=moved, t_kernel=t_kernel, t_ref=t_ref, t_copy=t_copy)
+                entries=entries, moved=moved, t_kernel=t_kernel, t_ref=t_ref, t_copy=t_copy,
+                wall_kernel=timed_eager(kernel, device, warmup, iters),
+                wall_ref=timed_eager(reference, device, max(2, warmup // 4), max(5, iters // 4)))
 
 
 def upload_case(device, tokens, layers, topk, seq_len, iters):
@@ -159,8 +190,10 @@ def report(rows, upload, args, device, sync_result) -> str:
         f"- Device: **{name}** (torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"megatron_r3 kernels {megatron_r3.kernel_info()})",
         f"- Command: `{command}`",
-        f"- Timing: CUDA events, {args.warmup} warm-up iterations, median of {args.iters} "
-        "(reference: a quarter of both)." if device.type == "cuda" else "- Timing: perf_counter (CPU smoke run).",
+        f"- Timing: device time = CUDA events around a CUDA graph of 20 calls, median of {args.iters} replays "
+        f"after {args.warmup} warm-up calls (reference: a quarter of both); per call = wall time of calls issued "
+        "back to back from Python, launch overhead included." if device.type == "cuda"
+        else "- Timing: perf_counter (CPU smoke run).",
         "",
         "## Routing packing: gather (replay), uint8 ids in, int64 `expert_ids` out",
         "",
@@ -169,12 +202,14 @@ def report(rows, upload, args, device, sync_result) -> str:
         "must read and write (ids, validity, index maps in; int64 out); the copy baseline is a plain "
         "device-to-device `copy_` moving the same bytes (half read, half written). *% of copy BW* = copy time / "
         "kernel time; *speedup* = reference time / kernel time. The reference (`gather_routes_reference`) is a "
-        "vectorised op chain (gather, widen, mask, transpose), so no kernel can beat it by more than "
-        "*reference / copy*: that column bounds the attainable speedup.",
+        "vectorised op chain (gather, widen, mask, transpose); in device time no kernel can beat it by more than "
+        "*reference / copy*, which bounds the attainable device-time speedup. The *per call* columns add what "
+        "the host pays to issue each path.",
         "",
         "| tokens | layers | top-k | CP | local tokens | moved (MB) | kernel (ms) | kernel (GB/s) | copy (ms) | "
-        "copy (GB/s) | % of copy BW | torch reference (ms) | speedup vs reference | reference / copy |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "copy (GB/s) | % of copy BW | reference (ms) | speedup | reference / copy | kernel per call (ms) | "
+        "reference per call (ms) | per-call speedup |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -182,7 +217,8 @@ def report(rows, upload, args, device, sync_result) -> str:
             f"{r['moved'] / 1e6:.1f} | {r['t_kernel'] * 1e3:.4f} | {r['moved'] / r['t_kernel'] / 1e9:.0f} | "
             f"{r['t_copy'] * 1e3:.4f} | {r['moved'] / r['t_copy'] / 1e9:.0f} | "
             f"{100 * r['t_copy'] / r['t_kernel']:.0f}% | {r['t_ref'] * 1e3:.3f} | {r['t_ref'] / r['t_kernel']:.1f}x | "
-            f"{r['t_ref'] / r['t_copy']:.1f}x |"
+            f"{r['t_ref'] / r['t_copy']:.1f}x | {r['wall_kernel'] * 1e3:.4f} | {r['wall_ref'] * 1e3:.3f} | "
+            f"{r['wall_ref'] / r['wall_kernel']:.1f}x |"
         )
     lines += [
         "",

@@ -10,14 +10,14 @@ gloo workers come from a forkserver that has already imported torch and
 Megatron-Core, so a launch costs a fork, not a fresh interpreter. The
 forkserver starts with the GPUs hidden, so that Megatron's "current device" in
 its children is the CPU their tensors live on. NCCL workers are spawned (CUDA
-does not survive a fork).
+does not survive a fork). Ranks meet through a file store in the run's own
+temporary directory, so concurrent runs (``pytest -n``) never race for a port.
 """
 
 import contextlib
 import datetime
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -76,11 +76,10 @@ def run_workers(
     backend = backend or default_backend(world_size)
     ctx = _get_context(backend)
     with tempfile.TemporaryDirectory(prefix="r3-workers-") as outdir:
-        port = _free_port()
         procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(fn, rank, world_size, port, backend, timeout, outdir, args, kwargs),
+                args=(fn, rank, world_size, backend, timeout, outdir, args, kwargs),
                 name=f"r3-worker-{rank}",
             )
             for rank in range(world_size)
@@ -128,12 +127,6 @@ def _environ(**values):
                 os.environ[key] = value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait(procs, timeout: float, outdir: str) -> None:
     """Wait for every worker; raise as soon as one fails (its peers would hang)."""
     deadline = time.monotonic() + timeout
@@ -168,10 +161,8 @@ def _failure_report(procs, outdir: str) -> str:
     return "\n".join(parts) or "no worker reported an error"
 
 
-def _worker_main(fn, rank, world_size, port, backend, timeout, outdir, args, kwargs):
+def _worker_main(fn, rank, world_size, backend, timeout, outdir, args, kwargs):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -186,6 +177,7 @@ def _worker_main(fn, rank, world_size, port, backend, timeout, outdir, args, kwa
             torch.backends.cudnn.allow_tf32 = False
         dist.init_process_group(
             backend,
+            init_method="file://" + os.path.join(outdir, "store"),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),

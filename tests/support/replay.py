@@ -1,7 +1,5 @@
 """Single-process Megatron fixtures for the routing-replay tests (gloo group of one)."""
 
-import os
-import socket
 from contextlib import contextmanager
 
 import torch
@@ -21,18 +19,11 @@ VOCAB = 64
 SEQ = 16
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_single_rank():
     """One gloo rank with every model-parallel size 1 (idempotent)."""
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # An in-memory store: a group of one needs no rendezvous (and no port).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     install_cpu_rng()
