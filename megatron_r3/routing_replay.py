@@ -51,6 +51,7 @@ def moe_routing_for_chunk(
     model_chunk,
     expert_ids: Optional[torch.Tensor] = None,
     layer_numbers: Optional[Sequence[int]] = None,
+    values_checked: bool = False,
 ) -> MoERouting:
     """A MoERouting for one microbatch on ``model_chunk``.
 
@@ -60,6 +61,9 @@ def moe_routing_for_chunk(
             to route live (the routes taken are recorded either way).
         layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
             chunk does not build are dropped. Default: exactly the chunk's MoE layers.
+        values_checked: the ids were validated on the host before upload (true of routes
+            from :class:`megatron_r3.transport.RouteUploader`): skip the model's value check
+            and its device sync.
     """
     chunk_layers = moe_layer_numbers(model_chunk)
     if expert_ids is not None and layer_numbers is not None:
@@ -76,7 +80,7 @@ def moe_routing_for_chunk(
                 device=expert_ids.device,
             )
             expert_ids = expert_ids.index_select(0, rows)
-    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids)
+    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids, values_checked=values_checked)
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

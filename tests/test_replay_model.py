@@ -259,6 +259,20 @@ def test_bad_replay_input_fails_before_the_model_runs(case):
         assert layer.router.local_tokens_per_expert.sum() == 0
 
 
+def test_routes_validated_upstream_skip_only_the_value_check():
+    """values_checked=True (the data plane validated on the host) drops the syncing value check, not shapes."""
+    tokens = make_batch()[0]
+    shape = dict(layer_numbers=MOE_LAYERS, num_tokens=tokens.numel(), batch_size=tokens.shape[0],
+                 num_experts=NUM_EXPERTS, topk=2)
+    ids = forced_routing(tokens, seed=3).expert_ids.clone()
+    ids[1, 13].fill_(NUM_EXPERTS)
+    with pytest.raises(ValueError, match="outside"):
+        MoERouting(MOE_LAYERS, expert_ids=ids).validate(**shape)
+    MoERouting(MOE_LAYERS, expert_ids=ids, values_checked=True).validate(**shape)
+    with pytest.raises(ValueError, match="wrong token count"):
+        MoERouting(MOE_LAYERS, expert_ids=ids[:, :-1], values_checked=True).validate(**shape)
+
+
 REJECTED = {
     "moe_router_fusion": dict(moe_router_fusion=True),
     "moe_expert_capacity_factor": dict(
