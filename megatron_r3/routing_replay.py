@@ -7,7 +7,8 @@ runs, on every pipeline stage (stages without input ids still route their own la
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        routing = moe_routing_for_chunk(model, batch["expert_ids"], batch["layer_numbers"])
+        routing = moe_routing_for_chunk(model, batch["expert_ids"], batch["layer_numbers"],
+                                        values_checked=True)  # validated on the host
         output = model(batch["tokens"], batch["position_ids"], None,
                        labels=batch["labels"], moe_routing=routing)
         return output, loss_func
