@@ -64,13 +64,14 @@ def case(device, tokens, layers, topk, cp, num_experts, seq_len, warmup, iters):
     gen = torch.Generator(device=device).manual_seed(0)
     id_dtype = torch.uint8 if num_experts <= 256 else torch.int16
     ids = torch.randint(0, num_experts, (tokens, layers, topk), generator=gen, device=device).to(id_dtype)
-    valid = torch.rand((tokens, layers), generator=gen, device=device) < 0.98
+    valid = torch.rand(tokens, generator=gen, device=device) < 0.98
     tok = torch.from_numpy(plan.token_index).to(device)
     lay = torch.from_numpy(plan.layer_index).to(device)
     out = torch.empty((layers, len(plan.token_index), topk), dtype=torch.int64, device=device)
 
     entries = out.numel()
-    moved = entries * (8 + ids.element_size()) + layers * len(plan.token_index) + 4 * (tok.numel() + lay.numel())
+    # Validity is one byte per local token, not one per (token, layer) row.
+    moved = entries * (8 + ids.element_size()) + len(plan.token_index) + 4 * (tok.numel() + lay.numel())
     copy_src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     copy_dst = torch.empty_like(copy_src)
 
@@ -93,7 +94,7 @@ def upload_case(device, tokens, layers, topk, seq_len, iters):
     lens = [seq_len] * (tokens // seq_len)
     numbers = tuple(range(1, layers + 1))
     samples = [RolloutRoutes(rng.integers(0, 256, (n, layers, topk), dtype=np.uint8),
-                             np.ones((n, layers), np.bool_), 256, numbers) for n in lens]
+                             np.ones(n, np.bool_), 256, numbers) for n in lens]
     plans = [RoutingPlan.build(RankLayout(), lens, source_layer_numbers=numbers, layer_numbers=numbers,
                                qkv_format="thd")]
     uploader = RouteUploader(device)
@@ -124,7 +125,7 @@ def sync_free_replay(device) -> str:
     layers, topk, experts = 8, 8, 128
     lens = [4096, 1000, 3001]
     samples = [RolloutRoutes(rng.integers(0, experts, (n, layers, topk)).astype(np.uint8),
-                             rng.random((n, layers)) < 0.95, experts, tuple(range(1, layers + 1))) for n in lens]
+                             rng.random(n) < 0.95, experts, tuple(range(1, layers + 1))) for n in lens]
     plans = [RoutingPlan.build(RankLayout(tp_size=2, tp_rank=1, sequence_parallel=True, cp_size=2, cp_rank=1),
                                lens, source_layer_numbers=range(1, layers + 1), layer_numbers=chunk, qkv_format="thd")
              for chunk in (range(1, 5), range(5, 9))]
@@ -198,17 +199,21 @@ def report(rows, upload, args, device, sync_result) -> str:
         f"| {upload['nbytes'] / 1e6:.1f} | {upload['host'] * 1e3:.3f} | {upload['total'] * 1e3:.3f} | "
         f"{upload['nbytes'] / upload['total'] / 1e9:.1f} |",
     ]
-    k = 8
+    layers, k = rows[0]["layers"], rows[0]["topk"]  # the main point
+    validity = 1 / (layers * k)  # per-token validity: 1 byte per token, shared by its layers x top-k entries
     lines += [
         "",
         "## Bytes per routing entry (one expert id of one token at one MoE layer)",
         "",
-        "| where | layout | bytes / entry (top-8) |",
+        f"At the main point, {layers} MoE layers x top-{k}; per-token validity: 1 byte per token, "
+        f"1 / ({layers} x {k}) bytes per entry.",
+        "",
+        f"| where | layout | bytes / entry ({layers} layers, top-{k}) |",
         "|---|---|---:|",
-        f"| host (`RolloutRoutes`, <= 256 experts) | uint8 ids + one bool per (token, layer) | {1 + 1 / k:.3f} |",
-        f"| host (`RolloutRoutes`, > 256 experts) | int16 ids + one bool per (token, layer) | {2 + 1 / k:.3f} |",
+        f"| host (`RolloutRoutes`, <= 256 experts) | uint8 ids + one bool per token | {1 + validity:.3f} |",
+        f"| host (`RolloutRoutes`, > 256 experts) | int16 ids + one bool per token | {2 + validity:.3f} |",
         f"| host -> device copy and device source | the same compact bytes, one pinned copy per microbatch "
-        f"| {1 + 1 / k:.3f} (int16: {2 + 1 / k:.3f}) |",
+        f"| {1 + validity:.3f} (int16: {2 + validity:.3f}) |",
         "| device, router input (`expert_ids`) | int64, only this rank's tokens and layers | 8 |",
         "| for comparison: int32 on the host | | 4 |",
         "",
