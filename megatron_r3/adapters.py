@@ -11,17 +11,22 @@ Conventions (per sample of ``num_tokens = prompt + generated`` tokens):
 * vLLM (``enable_return_routed_experts=True``): ``CompletionOutput.routed_experts``
   is ``np.int32 [num_tokens - 1, num_hidden_layers, topk]``; dense layers are
   zero rows; the final sampled token was never run, so it has no row and
-  becomes "no route".
+  has no route.
 * SGLang (``--enable-return-routed-experts``): ``meta_info["routed_experts"]`` is
   base64 of flattened little-endian int32 with logical shape
   ``[num_tokens - 1, num_layers, topk]``; same conventions as vLLM.
 * Megatron (R2 recording): each rank/chunk returns ``[L_local, n_local, topk]`` in
-  router order; the plans they were recorded under map them back.
-* Raw arrays: ``[tokens, layers, topk]``, rows of -1 mean "no route".
+  router order; the plans they were recorded under map them back. A token must be
+  recorded at every MoE layer or at none.
+* Raw arrays: ``[tokens, layers, topk]``; a token whose rows are all -1 at every
+  layer has no route.
 
-In engine layouts an all-zero row of a MoE layer with ``topk >= 2`` cannot be a
-route (it repeats expert 0); it is a capture gap (e.g. a token the engine took
-from its prefix cache) and becomes "no route", so it is never replayed as expert 0.
+Validity is per token (:class:`RolloutRoutes`): a token replays at every MoE
+layer or at none. In engine layouts an all-zero row of a MoE layer with
+``topk >= 2`` cannot be a route (it repeats expert 0); it is a capture gap (e.g.
+a token the engine took from its prefix cache). The whole token then has no
+route, at every MoE layer, so it is never replayed as expert 0 and the live
+router decides it everywhere.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from megatron_r3.moe_layers import moe_layer_numbers
 from megatron_r3.packing import scatter_routes
 from megatron_r3.plan import RoutingPlan
 from megatron_r3.routes import RolloutRoutes, _as_numpy, id_dtype
-from megatron_r3.validation import RoutingValidationError, check_integer_dtype
+from megatron_r3.validation import RoutingValidationError, check_integer_dtype, token_validity
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,12 @@ def from_array(
     """Raw integer routes ``[tokens, layers, topk]`` (numpy or torch).
 
     Args:
-        ids: Expert ids; rows of all -1 are "no route" unless ``valid`` is given.
+        ids: Expert ids; a token whose rows are all -1 at every layer has no route, unless
+            ``valid`` is given (rows of -1 at some layers only are an error).
         spec: The model.
         layers: ``"moe"``: one row per MoE layer; ``"full"``: one row per decoder
             layer, dense layers all -1 or all 0.
-        valid: Optional bool ``[tokens, moe_layers]`` (MoE layers only).
+        valid: Optional bool ``[tokens]``; False = the token has no route.
         num_tokens: Expected token count.
         sample: Sample index for error messages.
     """
@@ -172,24 +178,30 @@ def from_megatron_recorded(
         spec: The model.
 
     Returns:
-        One container per sample; rows no part covered are "no route".
+        One container per sample: a token recorded at every MoE layer has its route, a
+        token recorded at none has no route.
+
+    Raises:
+        RoutingValidationError: a token recorded at some MoE layers only (a part is missing),
+            naming sample, token and the first missing layer.
     """
     total = int(sum(sample_lens))
     ids = torch.zeros((total, len(spec.moe_layer_numbers), spec.topk), dtype=_torch_id_dtype(spec.num_experts))
-    valid = torch.zeros((total, len(spec.moe_layer_numbers)), dtype=torch.bool)
-    for plan, recorded in parts:
+    recorded = torch.zeros((total, len(spec.moe_layer_numbers)), dtype=torch.bool)  # per row: parts combine
+    for plan, expert_ids in parts:
         if plan.num_source_tokens != total or plan.num_source_layers != len(spec.moe_layer_numbers):
             raise RoutingValidationError(
                 f"plan covers {plan.num_source_tokens} tokens x {plan.num_source_layers} layers, the "
                 f"microbatch has {total} x {len(spec.moe_layer_numbers)}"
             )
-        scatter_routes(recorded.detach().cpu().contiguous(), torch.from_numpy(plan.token_index),
-                       torch.from_numpy(plan.layer_index), ids, valid)
+        scatter_routes(expert_ids.detach().cpu().contiguous(), torch.from_numpy(plan.token_index),
+                       torch.from_numpy(plan.layer_index), ids, recorded)
     out, start = [], 0
     for i, length in enumerate(sample_lens):
-        part_ids, part_valid = ids[start:start + length].numpy(), valid[start:start + length].numpy()
-        out.append(RolloutRoutes.from_ids(part_ids, num_experts=spec.num_experts,
-                                          layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=part_valid,
+        valid = token_validity(recorded[start:start + length].numpy(), spec.moe_layer_numbers,
+                               "not recorded at this layer but at others (a part is missing)", i)
+        out.append(RolloutRoutes.from_ids(ids[start:start + length].numpy(), num_experts=spec.num_experts,
+                                          layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=valid,
                                           sample=i))
         start += length
     return out
@@ -202,7 +214,10 @@ def _torch_id_dtype(num_experts: int) -> torch.dtype:
 def _from_engine_rows(
     rows: np.ndarray, spec: RoutingSpec, num_tokens: Optional[int], sample: Optional[int], engine: str
 ) -> RolloutRoutes:
-    """Engine layout ``[num_tokens - 1, num_layers, topk]`` -> container; the last token has no route."""
+    """Engine layout ``[num_tokens - 1, num_layers, topk]`` -> container.
+
+    The final sampled token has no route, and neither has a token with a capture gap at any MoE layer.
+    """
     check_integer_dtype(rows, sample)
     if rows.ndim != 3:
         raise RoutingValidationError(f"sample {sample}: {engine} routes must be 3-D, got shape {rows.shape}")
@@ -218,11 +233,11 @@ def _from_engine_rows(
             f"sample {sample}: {engine} routes have top-k {rows.shape[2]}, the model routes to top-{spec.topk}"
         )
     moe = _moe_rows(rows, spec, sample, dense_fill=(0,))
-    valid = np.ones(moe.shape[:2], dtype=np.bool_)
+    valid = np.ones(num_tokens, dtype=np.bool_)
+    valid[-1] = False  # the final sampled token was never run
     if spec.topk >= 2:
-        valid &= (moe != 0).any(axis=2)  # capture gap, not a route
+        valid[:-1] = (moe != 0).any(axis=2).all(axis=1)  # an all-zero row is a capture gap, not a route
     ids = np.concatenate([moe, np.zeros((1,) + moe.shape[1:], moe.dtype)])
-    valid = np.concatenate([valid, np.zeros((1, moe.shape[1]), np.bool_)])
     return RolloutRoutes.from_ids(
         ids, num_experts=spec.num_experts, layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=valid,
         num_tokens=num_tokens, sample=sample,

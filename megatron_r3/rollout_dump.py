@@ -6,7 +6,7 @@ rollouts larger than memory can be replayed. Layout (little-endian throughout):
 
 File header, once::
 
-    magic      8 bytes   b"R3DUMP\\x00\\x01"  (format version 1)
+    magic      8 bytes   b"R3DUMP\\x00\\x02"  (format version 2)
     json_len   uint32
     json       utf-8 JSON {"num_experts", "topk", "layer_numbers", "id_dtype"}
 
@@ -24,10 +24,13 @@ Records, repeated to the end of the file::
       loss_mask   uint8   [T]          1 = token is trained on
       logprobs    float32 [T]          if bit 0; rollout log-prob of token t
       route_ids   uint8|int16 [T, L, K]  if bit 1; the header's id_dtype, L = len(layer_numbers)
-      route_valid uint8   [T, L]       if bit 1; 0 = no route (live router decides)
+      route_valid uint8   [T]          if bit 1; per token, 0 = no route (the live router
+                                       decides the token at every MoE layer)
 
 Every array of a sample is whole in one record; a reader needs one record of
 memory. Routes are validated again when read (a dump may come from elsewhere).
+A dump of another format version (version 1: ``route_valid [T, L]``) is
+rejected, not converted.
 A truncated last record (a writer that died) is reported, not skipped
 silently, unless the reader is asked to tolerate it.
 """
@@ -45,7 +48,8 @@ import numpy as np
 from megatron_r3.routes import RolloutRoutes, id_dtype
 from megatron_r3.validation import validate_routes
 
-MAGIC = b"R3DUMP\x00\x01"
+FORMAT_VERSION = 2  # 2: route_valid per token; 1: per token and layer
+MAGIC = b"R3DUMP" + FORMAT_VERSION.to_bytes(2, "big")
 RECORD_MAGIC = b"R3RC"
 _RECORD_HEAD = struct.Struct("<4sQI")
 _BODY_HEAD = struct.Struct("<III")
@@ -161,8 +165,14 @@ class RolloutDumpReader:
         self._file = open(path, "rb") if self._owns else path
         self.allow_truncated_tail = allow_truncated_tail
         magic = self._file.read(len(MAGIC))
-        if magic != MAGIC:
+        if len(magic) != len(MAGIC) or magic[:6] != MAGIC[:6]:
             raise RolloutDumpError(f"not a megatron-r3 rollout dump (magic {magic!r})")
+        version = int.from_bytes(magic[6:], "big")
+        if version != FORMAT_VERSION:
+            raise RolloutDumpError(
+                f"rollout dump format version {version} is not supported: this reader reads version "
+                f"{FORMAT_VERSION} (route validity per token); write the dump again"
+            )
         (json_len,) = struct.unpack("<I", self._read_exact(4, "header"))
         header = json.loads(self._read_exact(json_len, "header"))
         self.num_experts = int(header["num_experts"])
@@ -219,7 +229,7 @@ class RolloutDumpReader:
         if flags & _HAS_ROUTES:
             n_layers = len(self.layer_numbers)
             ids = take(self._dtype, (t, n_layers, self.topk))
-            valid = take(np.uint8, (t, n_layers)).astype(np.bool_)
+            valid = take(np.uint8, (t,)).astype(np.bool_)
             validate_routes(ids, valid, num_experts=self.num_experts, topk=self.topk,
                             layer_numbers=self.layer_numbers, sample=index)
             routes = RolloutRoutes(ids, valid, self.num_experts, self.layer_numbers)

@@ -2,10 +2,12 @@
 
 Ids are stored as ``uint8`` for up to 256 experts and ``int16`` above (never
 int32/int64 on the host: a 32k-token sample of a 48-layer top-8 model is 12.6
-MB as uint8 against 50 MB as int32). A bool ``valid[token, layer]`` says
-whether a route exists; an invalid row means "no route: the live router
-decides this token" (padding, the final sampled token the engine never ran,
-capture gaps). Invalid rows hold zeros and are never read as routes.
+MB as uint8 against 50 MB as int32). A bool ``valid[token]`` says whether the
+token has a route: a token replays at every MoE layer or at none. A token
+without one means "no route: the live router decides this token at every MoE
+layer" (padding, the final sampled token the engine never ran, capture gaps);
+its ids hold zeros and are never read as routes. Validity costs one byte per
+token, ``1 / (layers * topk)`` bytes per routing entry (1.003 at 48 layers, top-8).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_r3.validation import RoutingValidationError, check_integer_dtype, validate_routes
+from megatron_r3.validation import RoutingValidationError, check_integer_dtype, token_validity, validate_routes
 
 
 def id_dtype(num_experts: int) -> np.dtype:
@@ -38,7 +40,7 @@ class RolloutRoutes:
 
     Attributes:
         ids: ``uint8`` (<= 256 experts) or ``int16`` ``[num_tokens, num_moe_layers, topk]``.
-        valid: bool ``[num_tokens, num_moe_layers]``; False rows are "no route".
+        valid: bool ``[num_tokens]``; False = the token has no route at any MoE layer.
         num_experts: Routed experts per MoE layer.
         layer_numbers: Global 1-based layer numbers of the MoE layers, increasing,
             one per dim-1 row (``TransformerLayer.layer_number``).
@@ -63,7 +65,7 @@ class RolloutRoutes:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held (ids and validity)."""
+        """Host bytes held: the ids and one validity byte per token."""
         return self.ids.nbytes + self.valid.nbytes
 
     @classmethod
@@ -81,17 +83,19 @@ class RolloutRoutes:
         """Validates integer ids ``[tokens, moe_layers, topk]`` and stores them compactly.
 
         Args:
-            ids: Any integer array (numpy or torch on CPU). Rows that are all -1
-                mean "no route" unless ``valid`` is given.
+            ids: Any integer array (numpy or torch on CPU). A token whose rows are all
+                -1 at every layer has no route, unless ``valid`` is given.
             num_experts: Routed experts per MoE layer.
             layer_numbers: 1-based global MoE layer numbers, increasing.
             topk: Expected top-k (default: whatever ``ids`` has).
-            valid: Optional bool ``[tokens, moe_layers]``; default: rows not all -1.
+            valid: Optional bool ``[tokens]``, per token; default: False where a token's rows
+                are all -1 at every layer.
             num_tokens: Expected token count of the sample.
             sample: Sample index for error messages.
 
         Raises:
-            RoutingValidationError: see :func:`megatron_r3.validation.validate_routes`.
+            RoutingValidationError: see :func:`megatron_r3.validation.validate_routes`; without
+                ``valid``, also a token with rows of all -1 at some layers but routes at others.
         """
         ids = _as_numpy(ids)
         check_integer_dtype(ids, sample)
@@ -100,8 +104,10 @@ class RolloutRoutes:
             raise RoutingValidationError(f"layer numbers must be 1-based and increasing, got {layer_numbers}")
         if ids.ndim != 3:
             raise RoutingValidationError(f"routes must be [tokens, layers, topk], got shape {ids.shape}")
+        no_route = None
         if valid is None:
-            valid = ~(ids == -1).all(axis=2)
+            no_route = (ids == -1).all(axis=2)
+            valid = ~no_route.any(axis=1)  # a token with -1 rows at some layers only is rejected below
         else:
             valid = np.ascontiguousarray(_as_numpy(valid), dtype=np.bool_)
         validate_routes(
@@ -113,7 +119,11 @@ class RolloutRoutes:
             num_tokens=num_tokens,
             sample=sample,
         )
-        compact = np.where(valid[:, :, None], ids, 0).astype(id_dtype(num_experts))
+        if no_route is not None:  # after the shape checks: the message names layers by number
+            token_validity(
+                ~no_route, layer_numbers, "no route (a row of -1) at this layer but routes at others", sample
+            )
+        compact = np.where(valid[:, None, None], ids, 0).astype(id_dtype(num_experts))
         return cls(np.ascontiguousarray(compact), valid, int(num_experts), layer_numbers)
 
     @classmethod
@@ -122,13 +132,13 @@ class RolloutRoutes:
         n_layers = len(layer_numbers)
         return cls(
             np.zeros((num_tokens, n_layers, topk), id_dtype(num_experts)),
-            np.zeros((num_tokens, n_layers), np.bool_),
+            np.zeros(num_tokens, np.bool_),
             int(num_experts),
             tuple(int(n) for n in layer_numbers),
         )
 
     def to_int64(self) -> np.ndarray:
-        """Ids widened to int64 with -1 in rows that have no route (for inspection and tests)."""
+        """Ids widened to int64, -1 at every layer of tokens without a route (for inspection and tests)."""
         out = self.ids.astype(np.int64)
         out[~self.valid] = -1
         return out
@@ -138,7 +148,7 @@ class RolloutRoutes:
         index = layer_index(self.layer_numbers, layer_numbers)
         return RolloutRoutes(
             np.ascontiguousarray(self.ids[:, index]),
-            np.ascontiguousarray(self.valid[:, index]),
+            self.valid.copy(),
             self.num_experts,
             tuple(layer_numbers),
         )
@@ -154,7 +164,7 @@ def layer_index(available: Sequence[int], wanted: Sequence[int]) -> np.ndarray:
 
 
 def concat_routes(samples: Sequence[RolloutRoutes]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenates samples along tokens: the packing source ``(ids [N, L, K], valid [N, L])``.
+    """Concatenates samples along tokens: the packing source ``(ids [N, L, K], valid [N])``.
 
     All samples must share experts, top-k and layer numbers. Row ``offset_i + t``
     is token t of sample i, where ``offset_i`` is the sum of earlier samples' token counts.

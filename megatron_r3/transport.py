@@ -1,13 +1,14 @@
 """Moving a microbatch's routes to the GPU without stalling the host or the compute stream.
 
 Per microbatch, :class:`RouteUploader` writes the compact routes of its samples
-and every chunk's plan into one pinned host buffer, copies that buffer to the
-device with one asynchronous copy on a side stream, and runs the gather kernel
-there once per model chunk. The result, a :class:`PackedRoutes` per chunk, is
-what the router consumes; :meth:`PackedRoutes.wait` orders the consumer's stream
-after the side stream. Nothing in this path reads device memory from the host:
-no ``.item()``, ``.tolist()``, ``nonzero()``, no synchronous copies and no
-stream synchronisation (the GPU tests run it under
+(ids, then one validity byte per token) and every chunk's plan into one pinned
+host buffer, copies that buffer to the device with one asynchronous copy on a
+side stream, and runs the gather kernel there once per model chunk. The
+result, a :class:`PackedRoutes` per chunk, is what the router consumes;
+:meth:`PackedRoutes.wait` orders the consumer's stream after the side stream.
+Nothing in this path reads device memory from the host: no ``.item()``,
+``.tolist()``, ``nonzero()``, no synchronous copies and no stream
+synchronisation (the GPU tests run it under
 ``torch.cuda.set_sync_debug_mode("error")``).
 
 Pinned buffers are recycled once the copy that read them has finished (an
@@ -109,7 +110,7 @@ class RouteUploader:
                     f"plan expects {plan.num_source_tokens} tokens x {plan.num_source_layers} layers, the "
                     f"samples hold {num_tokens} x {head.num_layers}"
                 )
-        arrays = [(s.ids, 0) for s in samples]  # (array, group): group 0 = ids, 1 = valid
+        arrays = [(s.ids, 0) for s in samples]  # (array, group): group 0 = ids, 1 = per-token valid
         arrays += [(s.valid, 1) for s in samples]
         for plan in plans:
             arrays += [(plan.token_index, 2), (plan.layer_index, 2)]
@@ -156,8 +157,7 @@ class RouteUploader:
         valid_start = layout[num_samples][0]
         ids = buffer[ids_start : ids_start + head.ids.itemsize * num_tokens * head.num_layers * head.topk]
         ids = ids.view(ids_dtype).view(num_tokens, head.num_layers, head.topk)
-        valid = buffer[valid_start : valid_start + num_tokens * head.num_layers].view(torch.bool)
-        valid = valid.view(num_tokens, head.num_layers)
+        valid = buffer[valid_start : valid_start + num_tokens].view(torch.bool)  # one byte per token
         out = []
         for i, plan in enumerate(plans):
             tok_at, _ = layout[2 * num_samples + 2 * i]
@@ -170,7 +170,10 @@ class RouteUploader:
 
 def _layout(arrays) -> tuple[list[tuple[int, int]], int]:
     """Byte offsets of each array in the staging buffer: ids, then valid, of all samples
-    contiguous (they form the [N, L, K] / [N, L] packing source), then each plan's maps."""
+    contiguous (they form the [N, L, K] / [N] packing source), then each plan's maps.
+
+    Each group and each map starts on an ``_ALIGN`` boundary (the kernel's vector loads);
+    inside a group the samples are back to back, one valid byte per token."""
     layout, offset, group = [], 0, None
     for array, g in arrays:
         if g != group or g == 2:

@@ -2,7 +2,8 @@
 
 Every failure raises :class:`RoutingValidationError` whose message names the
 sample, the token and the (1-based, global) layer of the first offending entry,
-and how many entries are affected in total.
+and how many entries are affected in total. Validity is per token: a token
+replays at every MoE layer or at none.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def validate_routes(
 
     Args:
         ids: Integer array ``[num_tokens, num_moe_layers, topk]``.
-        valid: Bool array ``[num_tokens, num_moe_layers]``; invalid rows are not checked.
+        valid: Bool array ``[num_tokens]``; tokens without a route are not checked.
         num_experts: Experts per MoE layer; valid ids lie in ``[0, num_experts)``.
         topk: Experts per token.
         layer_numbers: Global 1-based MoE layer numbers, one per dim-1 row.
@@ -64,23 +65,43 @@ def validate_routes(
         raise RoutingValidationError(f"{where}routes have top-k {ids.shape[2]}, the model routes to top-{topk}")
     if num_tokens is not None and ids.shape[0] != num_tokens:
         raise RoutingValidationError(f"{where}routes cover {ids.shape[0]} tokens, the sample has {num_tokens}")
-    if valid.shape != ids.shape[:2] or valid.dtype != np.bool_:
+    if valid.shape != ids.shape[:1] or valid.dtype != np.bool_:
         raise RoutingValidationError(
-            f"{where}validity must be bool {ids.shape[:2]}, got {valid.dtype} {valid.shape}"
+            f"{where}validity must be bool per token {ids.shape[:1]}, got {valid.dtype} {valid.shape}"
         )
     if ids.size == 0:
         return
     # Negative ids wrap to huge unsigned values, so one comparison checks both bounds.
     unsigned = ids.view(np.dtype(f"u{ids.dtype.itemsize}")) if ids.dtype.kind == "i" else ids
     if unsigned.max() >= num_experts:  # whole-array reduction first: the per-row mask is the slow path
-        out_of_range = (unsigned >= num_experts).any(axis=2) & valid
+        out_of_range = (unsigned >= num_experts).any(axis=2) & valid[:, None]
         _raise_first(out_of_range, ids, layer_numbers, where, f"expert id outside [0, {num_experts})")
     if topk > 1:
-        # Narrow before the pairwise pass (4-8x less memory traffic); rows with ids out of range are invalid
-        # here, and whatever they wrap to is masked out below.
+        # Narrow before the pairwise pass (4-8x less memory traffic); ids out of range are left only in
+        # tokens without a route here, and whatever they wrap to is masked out below.
         small = unsigned.astype(np.uint8 if num_experts <= 256 else np.uint16, copy=False)
-        repeated = _repeated_in_row(small) & valid
+        repeated = _repeated_in_row(small) & valid[:, None]
         _raise_first(repeated, ids, layer_numbers, where, "repeated expert id in one token's row")
+
+
+def token_validity(
+    present: np.ndarray, layer_numbers: Sequence[int], what: str, sample: Optional[int] = None
+) -> np.ndarray:
+    """Per-token validity ``[T]`` from a per-row mask ``present [T, L]``: True where every row is present.
+
+    A token with rows at some MoE layers only is an error, never half a route: the
+    message names the sample, the token and its first missing layer, then ``what``.
+    """
+    valid = present.all(axis=1)
+    partial = present.any(axis=1) & ~valid
+    if partial.any():
+        token = int(np.argmax(partial))
+        layer = int(np.argmin(present[token]))
+        raise RoutingValidationError(
+            f"{_where(sample)}token {token}, layer {layer_numbers[layer]}: {what}; a token replays at every "
+            f"MoE layer or at none ({int(partial.sum())} partial tokens in total)"
+        )
+    return valid
 
 
 def _repeated_in_row(ids: np.ndarray) -> np.ndarray:

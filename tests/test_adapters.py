@@ -36,15 +36,26 @@ def test_spec_from_megatron_config():
 def test_vllm_completion_output():
     rng = np.random.default_rng(0)
     rows = engine_rows(rng, 11)
-    rows[3, 2] = 0  # a capture gap on MoE layer 3 (topk >= 2: zeros cannot be a route)
     routes = from_vllm(SimpleNamespace(routed_experts=rows, token_ids=[1, 2, 3]), SPEC, num_tokens=11)
     assert routes.ids.dtype == np.uint8 and routes.ids.shape == (11, 4, 4)
     assert routes.layer_numbers == (2, 3, 5, 6)
-    assert not routes.valid[10].any()  # the final sampled token: no route
-    assert not routes.valid[3, 1] and routes.valid[3, [0, 2, 3]].all()
-    expected = rows[:, [1, 2, 4, 5]].astype(np.int64)
-    expected[3, 1] = -1
-    np.testing.assert_array_equal(routes.to_int64()[:10], expected)
+    assert routes.valid.tolist() == [True] * 10 + [False]  # the final sampled token: no route
+    np.testing.assert_array_equal(routes.to_int64()[:10], rows[:, [1, 2, 4, 5]])
+
+
+def test_vllm_capture_gap_leaves_the_whole_token_to_the_live_router():
+    rng = np.random.default_rng(9)
+    rows = engine_rows(rng, 8)
+    rows[5, 2] = 0  # a capture gap on MoE layer 3 only (topk >= 2: zeros cannot be a route)
+    routes = from_vllm(rows, SPEC, sample=0)
+    assert routes.valid.tolist() == [True] * 5 + [False, True, False]
+    assert (routes.to_int64()[5] == -1).all()  # not replayed at layers 2, 5, 6 either
+    np.testing.assert_array_equal(routes.to_int64()[[0, 1, 2, 3, 4, 6]], rows[[0, 1, 2, 3, 4, 6]][:, [1, 2, 4, 5]])
+    # With top-1 a zero row is expert 0, a route like any other.
+    top1 = RoutingSpec(num_layers=6, moe_layer_numbers=(2, 3, 5, 6), num_experts=64, topk=1)
+    rows = engine_rows(rng, 8, top1)
+    rows[5, 2] = 0
+    assert from_vllm(rows, top1).valid.tolist() == [True] * 7 + [False]
 
 
 def test_vllm_wrong_token_count_and_missing_output():
@@ -91,11 +102,11 @@ def test_raw_arrays_moe_and_full_layouts():
     rng = np.random.default_rng(5)
     full = engine_rows(rng, 6).astype(np.int64)
     full[:, 0] = -1  # dense rows as -1
-    full[2, 1] = -1  # no route for token 2 on layer 2
+    full[2] = -1  # no route for token 2
     a = from_array(torch.from_numpy(full), SPEC, layers="full")
     b = from_array(full[:, [1, 2, 4, 5]], SPEC)
     np.testing.assert_array_equal(a.to_int64(), b.to_int64())
-    assert not a.valid[2, 0] and a.valid.sum() == a.valid.size - 1
+    assert a.valid.tolist() == [True, True, False, True, True]
     big = RoutingSpec(num_layers=2, moe_layer_numbers=(1, 2), num_experts=300, topk=2)
     assert from_array(np.array([[[299, 0], [1, 2]]]), big).ids.dtype == np.int16
 
@@ -126,34 +137,62 @@ def _set(x, index, value):
     return x
 
 
-def test_invalid_rows_are_not_validated_or_replayed():
-    ids = np.array([[[-1, -1]], [[5, 5]], [[1, 2]]])  # token 1 repeats an id but is marked invalid
+def test_tokens_without_route_are_not_validated_or_replayed():
+    ids = np.array([[[-1, -1]], [[5, 5]], [[1, 2]]])  # token 1 repeats an id but has no route
     spec = RoutingSpec(num_layers=1, moe_layer_numbers=(1,), num_experts=8, topk=2)
-    routes = from_array(ids, spec, valid=np.array([[False], [False], [True]]))
+    routes = from_array(ids, spec, valid=np.array([False, False, True]))
     assert routes.to_int64().tolist() == [[[-1, -1]], [[-1, -1]], [[1, 2]]]
 
 
-def test_megatron_recorded_routes_round_trip():
-    rng = np.random.default_rng(8)
-    samples = [from_vllm(engine_rows(rng, n), SPEC, sample=i) for i, n in enumerate([7, 12, 3])]
+def recorded_parts(samples, tp=2, cp=2):
+    """What every (TP rank, CP rank, chunk) records when replaying ``samples``: ``[(plan, expert_ids)]``."""
     ids, valid = (torch.from_numpy(a) for a in concat_routes(samples))
     lens = [s.num_tokens for s in samples]
     parts = []
-    for tp_rank in range(2):
-        for cp_rank in range(2):
+    for tp_rank in range(tp):
+        for cp_rank in range(cp):
             for chunk in ((2, 3), (5, 6)):
-                rank = RankLayout(tp_size=2, tp_rank=tp_rank, sequence_parallel=True, cp_size=2, cp_rank=cp_rank)
+                rank = RankLayout(tp_size=tp, tp_rank=tp_rank, sequence_parallel=True, cp_size=cp, cp_rank=cp_rank)
                 plan = RoutingPlan.build(rank, lens, source_layer_numbers=SPEC.moe_layer_numbers,
                                          layer_numbers=chunk, qkv_format="thd")
                 recorded = gather_routes(ids, valid, torch.from_numpy(plan.token_index),
                                          torch.from_numpy(plan.layer_index))
                 parts.append((plan, recorded))
-    back = from_megatron_recorded(parts, lens, SPEC)
+    return parts
+
+
+def test_megatron_recorded_routes_round_trip():
+    rng = np.random.default_rng(8)
+    samples = [from_vllm(engine_rows(rng, n), SPEC, sample=i) for i, n in enumerate([7, 12, 3])]
+    lens = [s.num_tokens for s in samples]
+    back = from_megatron_recorded(recorded_parts(samples), lens, SPEC)
     for a, b in zip(samples, back):
+        assert b.valid.tolist() == [True] * (a.num_tokens - 1) + [False]  # recorded nowhere: no route
         np.testing.assert_array_equal(a.to_int64(), b.to_int64())
+
+
+def test_megatron_recorded_token_missing_some_layers_is_an_error():
+    rng = np.random.default_rng(10)
+    samples = [from_vllm(engine_rows(rng, n), SPEC, sample=i) for i, n in enumerate([7, 12, 3])]
+    lens = [s.num_tokens for s in samples]
+    # One router row lost: global token 9 (sample 1, token 2) at layer 5, the first of chunk (5, 6).
+    parts = recorded_parts(samples, tp=1, cp=1)
+    plan, expert_ids = parts[1]
+    assert plan.layer_numbers == (5, 6)
+    expert_ids[0, list(plan.token_index).index(9)] = -1
+    with pytest.raises(RoutingValidationError, match=r"sample 1: token 2, layer 5: not recorded at this layer but "
+                       r"at others \(a part is missing\); a token replays at every MoE layer or at none"):
+        from_megatron_recorded(parts, lens, SPEC)
+    # A whole part lost: that rank's tokens have layers 2 and 3 but not 5 and 6.
+    parts = recorded_parts(samples)
+    del parts[3]
+    with pytest.raises(RoutingValidationError, match=r"token \d+, layer 5: not recorded at this layer"):
+        from_megatron_recorded(parts, lens, SPEC)
 
 
 def test_container_bytes_and_empty():
     routes = RolloutRoutes.empty(32768, num_experts=256, topk=8, layer_numbers=range(1, 49))
     assert routes.ids.nbytes == 32768 * 48 * 8  # 12.6 MB: one byte per routing entry
-    assert not routes.valid.any()
+    assert routes.valid.shape == (32768,) and not routes.valid.any()
+    assert routes.nbytes == routes.ids.nbytes + routes.num_tokens  # plus one validity byte per token
+    assert routes.nbytes / routes.ids.size == pytest.approx(1 + 1 / (48 * 8))  # 1.003 bytes per entry

@@ -1,5 +1,6 @@
 """Rollout dump: round trip, streaming, and loud failures on bad files."""
 
+import dataclasses
 import io
 
 import numpy as np
@@ -14,7 +15,7 @@ def make_sample(rng, n, spec, with_routes=True, with_logprobs=True, index=0):
     routes = None
     if with_routes:
         ids = np.argsort(rng.random((n, len(spec.moe_layer_numbers), spec.num_experts)), axis=2)[:, :, : spec.topk]
-        ids[rng.random(ids.shape[:2]) < 0.2] = -1
+        ids[rng.random(n) < 0.2] = -1  # tokens without a route
         routes = from_array(ids, spec)
     return RolloutSample(
         token_ids=rng.integers(0, 150000, n).astype(np.int32),
@@ -108,7 +109,33 @@ def test_reader_validates_routes():
     w = RolloutDumpWriter(buffer, num_experts=16, topk=2, layer_numbers=(1,))
     sample = make_sample(np.random.default_rng(3), 4, RoutingSpec(1, (1,), 16, 2))
     sample.routes.ids[2, 0] = [3, 3]  # corrupt after validation: a repeated id
-    sample.routes.valid[2, 0] = True
+    sample.routes.valid[2] = True
     w.write(sample)
     with pytest.raises(RoutingValidationError, match="sample 0: token 2, layer 1: repeated expert id"):
         list(RolloutDumpReader(io.BytesIO(buffer.getvalue())))
+
+
+def test_routes_take_the_ids_and_one_valid_byte_per_token():
+    spec = RoutingSpec(num_layers=3, moe_layer_numbers=(1, 3), num_experts=300, topk=3)
+    sample = make_sample(np.random.default_rng(4), 10, spec)
+    assert not sample.routes.valid.all()
+    with_routes, without = _dump(sample, spec), _dump(dataclasses.replace(sample, routes=None), spec)
+    assert len(with_routes) - len(without) == sample.routes.ids.nbytes + 10
+    (back,) = RolloutDumpReader(io.BytesIO(with_routes))
+    np.testing.assert_array_equal(back.routes.valid, sample.routes.valid)
+
+
+def test_reader_rejects_other_format_versions():
+    spec = RoutingSpec(1, (1,), 16, 2)
+    data = _dump(make_sample(np.random.default_rng(5), 4, spec), spec)
+    assert data.startswith(b"R3DUMP\x00\x02")
+    with pytest.raises(RolloutDumpError, match="format version 1 is not supported: this reader reads version 2"):
+        RolloutDumpReader(io.BytesIO(b"R3DUMP\x00\x01" + data[8:]))
+
+
+def _dump(sample, spec):
+    buffer = io.BytesIO()
+    with RolloutDumpWriter(buffer, num_experts=spec.num_experts, topk=spec.topk,
+                           layer_numbers=spec.moe_layer_numbers) as w:
+        w.write(sample)
+    return buffer.getvalue()
