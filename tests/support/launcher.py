@@ -6,11 +6,14 @@ enough GPUs are visible), calls ``fn(*args, **kwargs)`` and sends its return
 value back through ``torch.save``. A worker's exception is re-raised in the
 parent with that rank's traceback; a hung run is killed after ``timeout``.
 
-gloo workers come from a forkserver that has already imported torch and
+Workers come from a forkserver that has already imported torch and
 Megatron-Core, so a launch costs a fork, not a fresh interpreter. The
-forkserver starts with the GPUs hidden, so that Megatron's "current device" in
-its children is the CPU their tensors live on. NCCL workers are spawned (CUDA
-does not survive a fork). Ranks meet through a file store in the run's own
+forkserver never initialises CUDA (imports do not, and it answers CUDA
+availability from NVML), so an NCCL worker initialises CUDA itself after the
+fork. A gloo worker hides the GPUs before anything asks, so that Megatron's
+"current device" is the CPU its tensors live on. ``R3_NCCL_WORKERS=spawn``
+starts NCCL workers as fresh interpreters instead, for a platform where CUDA
+misbehaves after a fork. Ranks meet through a file store in the run's own
 temporary directory, so concurrent runs (``pytest -n``) never race for a port.
 """
 
@@ -84,9 +87,8 @@ def run_workers(
             )
             for rank in range(world_size)
         ]
-        # The forkserver (started by the first gloo launch) keeps the environment it
-        # started with, so hiding the GPUs here hides them from every gloo worker.
-        with _environ(CUDA_VISIBLE_DEVICES="") if backend == "gloo" else contextlib.nullcontext():
+        # The forkserver, started by the first launch, keeps this environment.
+        with _environ(PYTORCH_NVML_BASED_CUDA_CHECK="1"):
             for proc in procs:
                 proc.start()
         try:
@@ -103,7 +105,7 @@ def run_workers(
 
 
 def _get_context(backend: str):
-    if backend == "nccl":
+    if backend == "nccl" and os.environ.get("R3_NCCL_WORKERS") == "spawn":
         return multiprocessing.get_context("spawn")
     global _forkserver
     if _forkserver is None:
@@ -162,6 +164,8 @@ def _failure_report(procs, outdir: str) -> str:
 
 
 def _worker_main(fn, rank, world_size, backend, timeout, outdir, args, kwargs):
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA is first queried, which is after this
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
