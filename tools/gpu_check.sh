@@ -11,9 +11,15 @@ export PYTHONUNBUFFERED=1
 make install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
 .venv/bin/python -c 'import megatron_r3; print("kernels:", megatron_r3.kernel_info())' | tee "$out/kernels.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpus.log"
-.venv/bin/python -m pytest -p no:cacheprovider -q -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -3
+# NCCL workers fork from the preloaded forkserver; if this platform's CUDA does not survive that, spawn them.
+if ! .venv/bin/python -m pytest -p no:cacheprovider -q -x tests/test_launcher.py > "$out/nccl_smoke.log" 2>&1; then
+  tail -30 "$out/nccl_smoke.log"
+  echo "NCCL workers from the forkserver failed: falling back to R3_NCCL_WORKERS=spawn" | tee -a "$out/nccl_smoke.log"
+  export R3_NCCL_WORKERS=spawn
+fi
+.venv/bin/python -m pytest -p no:cacheprovider -q -rfE -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
-timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -q --durations=30 --junitxml=$out/junit.xml" \
+timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
   > "$out/test.log" 2>&1
 echo "make test exit status: $?" | tee -a "$out/test.log"
 tail -40 "$out/test.log"
