@@ -24,3 +24,15 @@ def megatron_sdist(tmp_path_factory):
     path = os.path.join(os.path.dirname(__file__), "..", "build", "megatron_core-0.16.1.tar.gz")
     assert os.path.isfile(path), "run `make install` first: it keeps the sdist in build/"
     return os.path.abspath(path)
+
+
+@pytest.fixture
+def megatron_on_cpu(request, monkeypatch):
+    """Megatron in this process computes on the CPU, as on a machine without GPUs.
+
+    In-process model tests build CPU models; where a GPU is visible, Megatron's current
+    device (``get_current_device``) would be the GPU and its buffers would land there.
+    gpu-marked tests keep CUDA.
+    """
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

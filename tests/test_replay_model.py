@@ -25,6 +25,10 @@ from tests.support.replay import (
 MOE_LAYERS = [2, 3, 4]
 
 
+# In-process CPU models: Megatron must not pick up a visible GPU (gpu-marked tests excepted).
+pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _megatron():
     init_single_rank()

@@ -19,6 +19,10 @@ SEQ, BATCH, HIDDEN = 6, 3, 32
 LAYER = 2
 
 
+# In-process CPU models: Megatron must not pick up a visible GPU (gpu-marked tests excepted).
+pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _megatron():
     init_single_rank()
