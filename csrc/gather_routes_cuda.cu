@@ -4,9 +4,11 @@
 // it keeps stores streaming. A block owns a tile of kTileTokens consecutive router tokens and up to
 // kTileLayers local layers. It first resolves the tile's tokens once (index map, per-token validity) into
 // shared memory, so each output needs a single dependent load: its compact ids. Then consecutive threads
-// produce consecutive pairs of outputs (a warp stores 512 contiguous bytes per instruction), with kUnroll
-// loads issued before any store so that a thread keeps several loads in flight. A source token's ids for
-// all of a tile's layers share a few 32-byte sectors, so the block reads them from DRAM about once.
+// produce consecutive pairs of outputs (a warp stores 512 contiguous bytes per instruction). Stores are
+// streaming (evict-first): the output is read once, by a router later on, so caching it in L2 only evicts
+// the ids the block is still reading. A source token's ids for all of a tile's layers share a few 32-byte
+// sectors, so the block reads them from DRAM about once. Tile shape and store policy were picked on an H200
+// over 4k-128k tokens x 24-94 layers (docs/dataplane.md).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -19,12 +21,19 @@ namespace {
 constexpr uint32_t kTileTokens = 64;
 constexpr uint32_t kTileLayers = 8;
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
+
+__device__ __forceinline__ void store_streaming(int64_t* dst, const Vec<int64_t, 1>& value) {
+  __stcs(reinterpret_cast<long long*>(dst), static_cast<long long>(value.v[0]));
+}
+
+__device__ __forceinline__ void store_streaming(int64_t* dst, const Vec<int64_t, 2>& value) {
+  __stcs(reinterpret_cast<longlong2*>(dst), make_longlong2(value.v[0], value.v[1]));
+}
 
 template <typename id_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
@@ -47,33 +56,21 @@ __global__ void __launch_bounds__(kThreads)
 
   const uint32_t units_per_layer = tile_tokens * topk / VEC;  // VEC divides topk
   const uint32_t units = units_per_layer * tile_layers;
-  for (uint32_t first = threadIdx.x; first < units; first += kThreads * kUnroll) {
-    Vec<int64_t, VEC> result[kUnroll];
-    int64_t dst[kUnroll];
+  for (uint32_t u = threadIdx.x; u < units; u += kThreads) {
+    const uint32_t l = u / units_per_layer;
+    const uint32_t e = (u - l * units_per_layer) * VEC;
+    const uint32_t t = e / topk;
+    const uint32_t j = e - t * topk;
+    Vec<int64_t, VEC> result;
 #pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      const uint32_t u = first + r * kThreads;
-      dst[r] = -1;
+    for (int i = 0; i < VEC; ++i) result.v[i] = -1;
+    const int64_t row0 = src_row0[t];
+    if (row0 >= 0) {
+      const Vec<id_t, VEC> packed = *reinterpret_cast<const Vec<id_t, VEC>*>(ids + (row0 + src_layer[l]) * topk + j);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) result[r].v[i] = -1;
-      if (u < units) {
-        const uint32_t l = u / units_per_layer;
-        const uint32_t e = (u - l * units_per_layer) * VEC;
-        const uint32_t t = e / topk;
-        const uint32_t j = e - t * topk;
-        dst[r] = (int64_t{layer0 + l} * num_local_tokens + token0 + t) * topk + j;
-        const int64_t row0 = src_row0[t];
-        if (row0 >= 0) {
-          const Vec<id_t, VEC> packed = *reinterpret_cast<const Vec<id_t, VEC>*>(ids + (row0 + src_layer[l]) * topk + j);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) result[r].v[i] = static_cast<int64_t>(packed.v[i]);
-        }
-      }
+      for (int i = 0; i < VEC; ++i) result.v[i] = static_cast<int64_t>(packed.v[i]);
     }
-#pragma unroll
-    for (int r = 0; r < kUnroll; ++r) {
-      if (dst[r] >= 0) *reinterpret_cast<Vec<int64_t, VEC>*>(out + dst[r]) = result[r];
-    }
+    store_streaming(out + (int64_t{layer0 + l} * num_local_tokens + token0 + t) * topk + j, result);
   }
 }
 
