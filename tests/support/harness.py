@@ -12,12 +12,13 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 
+from megatron_r3.grads import reduce_grads
 from tests.support.batches import Sequences, layout_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
 from tests.support.schedule import forward_backward, forward_step
 from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
-from tests.support.weights import assemble, grad_shards, reduce_grads
+from tests.support.weights import assemble, grad_shards
 
 
 @dataclasses.dataclass(frozen=True)

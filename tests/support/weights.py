@@ -13,7 +13,6 @@ import zlib
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 
@@ -134,41 +133,6 @@ def load_full(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor]) 
     with torch.no_grad():
         for param, shard in param_shards(chunks):
             param.copy_(shard.take(full[shard.name]))
-
-
-def reduce_grads(chunks: Iterable[torch.nn.Module], config) -> None:
-    """Sum gradients across ranks the way Megatron's DDP and finalize_model_grads do.
-
-    Without the DDP wrapper the harness does it itself, with sums (the loss is a
-    sum over tokens, so the full gradient is the sum of the ranks' gradients):
-
-    * parameters marked ``sequence_parallel`` (norms, row-parallel biases, routers)
-      under SP: all-reduce over the TP group, like ``finalize_model_grads``;
-    * expert parameters (``allreduce == False``): all-reduce over the expert
-      data-parallel group; all others over data-parallel x context-parallel,
-      like ``DistributedDataParallel``.
-
-    Parameters without a gradient (an expert no token reached) get zeros.
-
-    Like Megatron 0.16.1, this relies on ``allreduce``, which marks expert
-    parameters only when expert-parallel size > 1. With EP = 1 and expert-TP < TP
-    the TP ranks hold replicas of the experts fed with different tokens, and
-    neither Megatron's DDP nor this function sums them: :func:`assemble` then
-    reports the replicas as different.
-    """
-    chunks = list(chunks)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    expert_dp_group = parallel_state.get_expert_data_parallel_group()
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            if config.sequence_parallel and getattr(param, "sequence_parallel", False):
-                dist.all_reduce(param.grad, group=tp_group)
-            dp_group = dp_cp_group if getattr(param, "allreduce", True) else expert_dp_group
-            if dist.get_world_size(dp_group) > 1:
-                dist.all_reduce(param.grad, group=dp_group)
 
 
 def grad_shards(chunks: Iterable[torch.nn.Module]) -> list[tuple[Shard, torch.Tensor]]:

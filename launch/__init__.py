@@ -1,0 +1,1 @@
+"""torchrun entry points (``torchrun ... launch/pretrain_gpt_r3.py``)."""

@@ -1,0 +1,143 @@
+"""Rollout samples -> one rank's packed (THD) training microbatch, and train/rollout log-prob mismatch.
+
+A microbatch is a few rollout samples packed into one row (b = 1). Each sample is
+padded to Megatron's alignment (``2*cp``, times ``tp`` under sequence parallelism)
+and the last one further, so that the row is exactly ``seq_length`` long: pipeline
+stages exchange activations of a fixed shape. This context-parallel rank keeps
+chunks ``r`` and ``2*cp-1-r`` of every sample (Megatron's zigzag), the order in
+which :class:`~megatron_r3.plan.RoutingPlan` (built with the same ``padded_lens``)
+lays out the routes.
+
+Position ``t`` of a sample predicts token ``t + 1``: its label, loss mask and
+rollout log-prob are those of token ``t + 1``; the last position predicts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_r3.context_parallel import thd_zigzag_index
+from megatron_r3.plan import RankLayout, padded_lengths
+from megatron_r3.rollout_dump import RolloutSample
+
+
+@dataclass
+class RolloutMicrobatch:
+    """What one rank feeds to the model for one microbatch (all ``[1, s_local]`` but the params).
+
+    Attributes:
+        tokens: int64 input ids.
+        labels: int64 next-token ids (0 where there is none).
+        loss_mask: float32, 1 where the next token is trained on.
+        rollout_logprobs: float32 rollout log-prob of the next token (0 where unknown).
+        position_ids: int64 position of each token within its sample.
+        packed_seq_params: THD parameters of the full (not CP-split) row.
+        sample_lens: Token count of each sample, in packing order.
+        padded_lens: Padded length of each sample (sums to ``seq_length``).
+        seq_length: Length of the full packed row.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    position_ids: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    sample_lens: list[int]
+    padded_lens: list[int]
+    seq_length: int
+
+
+def pack_rollout_microbatch(
+    samples: Sequence[RolloutSample], rank: RankLayout, seq_length: int, device: torch.device
+) -> RolloutMicrobatch:
+    """Packs ``samples`` into this rank's THD microbatch of a ``seq_length`` row.
+
+    Args:
+        samples: The microbatch's samples (their ``logprobs`` may be None).
+        rank: This rank's layout; only TP/SP and CP matter here.
+        seq_length: Length of the packed row, a multiple of ``rank.alignment``.
+        device: Where the tensors go.
+
+    Raises:
+        ValueError: the padded samples do not fit in ``seq_length``.
+    """
+    if not samples:
+        raise ValueError("a microbatch needs at least one sample")
+    if seq_length % rank.alignment:
+        raise ValueError(f"--seq-length {seq_length} must be a multiple of {rank.alignment} (2*cp, times tp with SP)")
+    lens = [len(s.token_ids) for s in samples]
+    padded = padded_lengths(lens, rank)
+    if padded.sum() > seq_length:
+        raise ValueError(
+            f"samples of {lens} tokens need {int(padded.sum())} positions once padded to multiples of "
+            f"{rank.alignment}; --seq-length is {seq_length}: raise it or lower --micro-batch-size"
+        )
+    padded[-1] += seq_length - padded.sum()
+
+    row = {name: np.zeros(seq_length, dtype) for name, dtype in
+           (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32))}
+    start = 0
+    for sample, length, width in zip(samples, lens, padded):
+        row["tokens"][start:start + length] = sample.token_ids
+        row["labels"][start:start + length - 1] = sample.token_ids[1:]
+        row["loss_mask"][start:start + length - 1] = sample.loss_mask[1:]
+        if sample.logprobs is not None:
+            row["logprobs"][start:start + length - 1] = sample.logprobs[1:]
+        start += int(width)
+
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
+    index, _, position = thd_zigzag_index(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
+
+    def local(name):
+        return torch.from_numpy(row[name])[index].unsqueeze(0).to(device)
+
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu.to(device),
+        cu_seqlens_kv=cu.to(device),
+        cu_seqlens_q_padded=cu_padded.to(device),
+        cu_seqlens_kv_padded=cu_padded.to(device),
+        max_seqlen_q=int(padded.max()),
+        max_seqlen_kv=int(padded.max()),
+    )
+    return RolloutMicrobatch(
+        tokens=local("tokens"),
+        labels=local("labels"),
+        loss_mask=local("loss_mask"),
+        rollout_logprobs=local("logprobs"),
+        position_ids=position.unsqueeze(0).to(device),
+        packed_seq_params=params,
+        sample_lens=lens,
+        padded_lens=[int(p) for p in padded],
+        seq_length=seq_length,
+    )
+
+
+def logprob_mismatch_sums(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Sums behind the train/rollout mismatch metrics, over tokens where ``mask`` is 1.
+
+    Returns a float64 tensor ``[4]``: tokens, sum of ``|logp_train - logp_rollout|``,
+    sum of the k3 KL estimate ``exp(d) - 1 - d`` with ``d = logp_rollout - logp_train``,
+    and the number of tokens whose ratio ``exp(-d)`` lies outside ``[1/2, 2]``. Sums
+    (not means) so that microbatches and ranks add up; see :func:`logprob_mismatch_metrics`.
+    """
+    mask = mask.to(torch.float64)
+    diff = (rollout_logprobs.to(torch.float64) - train_logprobs.to(torch.float64)) * mask
+    outside = (diff.abs() > np.log(2.0)).to(torch.float64) * mask
+    return torch.stack([mask.sum(), diff.abs().sum(), ((torch.exp(diff) - 1 - diff) * mask).sum(), outside.sum()])
+
+
+def logprob_mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """Mean |logp diff|, mean k3 KL and the fraction of ratios outside [1/2, 2] from :func:`logprob_mismatch_sums`."""
+    tokens, abs_diff, k3, outside = (float(v) for v in sums)
+    tokens = max(tokens, 1.0)
+    return {"logp_abs_diff": abs_diff / tokens, "k3_kl": k3 / tokens, "ratio_outside_frac": outside / tokens}
