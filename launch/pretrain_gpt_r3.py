@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.grads import reduce_grads
 from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
-from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers
+from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
 from megatron_r3.plan import RankLayout, chunk_plans
 from megatron_r3.rollout_batch import (
     RolloutMicrobatch,
@@ -111,8 +111,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def layer_freq(args: argparse.Namespace):
     """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list)."""
-    text = args.moe_layer_freq.strip("[] ")
-    return [int(v) for v in text.split(",")] if "," in text else int(text)
+    return parse_moe_layer_freq(args.moe_layer_freq)
 
 
 def transformer_config(args: argparse.Namespace, device: torch.device) -> TransformerConfig:

@@ -42,6 +42,15 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq: Union[int, Sequence[int]]
     return [bool(p) for p in pattern]
 
 
+def parse_moe_layer_freq(text: str) -> Union[int, list[int]]:
+    """The ``--moe-layer-freq`` flag: ``"N"`` (every Nth layer) or ``"0,1,1,1"`` (one 0/1 per layer)."""
+    values = text.strip("[] ")
+    try:
+        return [int(v) for v in values.split(",")] if "," in values else int(values)
+    except ValueError:
+        raise ValueError(f"--moe-layer-freq must be an int or comma-separated 0/1 per layer, got {text!r}") from None
+
+
 def moe_layer_numbers(num_layers: int, moe_layer_freq: Union[int, Sequence[int]]) -> tuple[int, ...]:
     """Global 1-based layer numbers of the MoE layers, increasing."""
     return tuple(i + 1 for i, is_moe in enumerate(moe_layer_pattern(num_layers, moe_layer_freq)) if is_moe)

@@ -6,16 +6,13 @@ The loop runs in gloo workers; the CPU RNG tracker is test scaffolding (on GPUs
 
 import math
 
-import numpy as np
 import pytest
 from megatron.core import parallel_state
 
-from megatron_r3.routes import RolloutRoutes
-from megatron_r3.rollout_dump import RolloutDumpWriter, RolloutSample
 from tests.support.cpu_rng import install_cpu_rng
 from tests.support.launcher import WorkerError, run_workers, worker_device
+from tools.synthetic_rollout_dump import write_synthetic_dump
 
-MOE_LAYERS = (2, 4)
 EXPERTS, TOPK, VOCAB = 4, 2, 64
 MODEL_FLAGS = [
     "--num-layers", "4", "--moe-layer-freq", "0,1,0,1", "--hidden-size", "32", "--ffn-hidden-size", "64",
@@ -25,19 +22,10 @@ MODEL_FLAGS = [
 ]
 
 
-def write_dump(path, num_samples=6, routed=True, seed=0):
-    """Samples of 9-40 tokens: a prompt, then a trained response with rollout log-probs and routes."""
-    rng = np.random.default_rng(seed)
-    with RolloutDumpWriter(path, num_experts=EXPERTS, topk=TOPK, layer_numbers=MOE_LAYERS) as writer:
-        for _ in range(num_samples):
-            n = int(rng.integers(9, 41))
-            mask = np.arange(n) >= n // 3
-            ids = np.argsort(rng.random((n, len(MOE_LAYERS), EXPERTS)), axis=2)[:, :, :TOPK]
-            valid = np.full(n, routed)
-            valid[-1] = False  # the final sampled token was never run by the engine
-            routes = RolloutRoutes.from_ids(ids, num_experts=EXPERTS, layer_numbers=MOE_LAYERS, valid=valid)
-            writer.write(RolloutSample(rng.integers(0, VOCAB, n), mask, -rng.random(n).astype(np.float32), routes))
-    return str(path)
+def write_dump(path, routed=True):
+    """Six samples of 9-40 tokens; every token but the last routed, or none."""
+    return write_synthetic_dump(str(path), num_samples=6, num_layers=4, moe_layer_freq=[0, 1, 0, 1],
+                                num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB, routed_fraction=float(routed))
 
 
 def train_worker(argv):
@@ -86,15 +74,47 @@ def test_replay_training_runs_and_learns_under_layouts(tmp_path, layout):
     assert len(lines) == 6 and lines[0].startswith(" iteration      1/6 | loss ")
 
 
-def test_replay_uses_the_dump_routes_and_tokens_without_routes_route_live(tmp_path):
+def routes_taken_worker(argv):
+    """Trains one iteration and compares, per MoE layer, the experts taken with those replayed."""
+    from launch import pretrain_gpt_r3 as launcher
+
+    routings = []
+
+    def keep(*args, **kwargs):
+        routings.append(make_routing(*args, **kwargs))
+        return routings[-1]
+
+    make_routing, launcher.moe_routing_for_chunk = launcher.moe_routing_for_chunk, keep
+    try:
+        train_worker(argv)
+    finally:
+        launcher.moe_routing_for_chunk = make_routing
+    given = [r.expert_ids for r in routings if r.layer_numbers]
+    taken = [r.recorded_expert_ids() for r in routings if r.layer_numbers]
+    replayed = [ids[..., 0] >= 0 for ids in given]
+    return {
+        "replayed_rows": sum(int(m.sum()) for m in replayed),
+        "live_rows": sum(int((~m).sum()) for m in replayed),
+        "mismatched_rows": sum(int((g != t).any(-1)[m].sum()) for g, t, m in zip(given, taken, replayed)),
+    }
+
+
+@pytest.mark.parametrize("layout", ["ep2", "cp2", "tp2-sp"])
+def test_replayed_routes_are_the_routes_taken(tmp_path, layout):
+    dump = write_dump(tmp_path / "rollouts.r3dump")
+    argv = MODEL_FLAGS + ["--rollout-dump", dump, "--train-iters", "1", "--moe-enable-routing-replay", *LAYOUTS[layout]]
+    for result in run_workers(routes_taken_worker, 2, argv, backend="gloo"):
+        assert result["mismatched_rows"] == 0
+        assert result["replayed_rows"] > 0 and result["live_rows"] > 0  # padding and last tokens route live
+
+
+def test_tokens_without_routes_train_like_live_routing(tmp_path):
     routed = write_dump(tmp_path / "routed.r3dump", routed=True)
     unrouted = write_dump(tmp_path / "unrouted.r3dump", routed=False)
     layout = LAYOUTS["ep2"]
-    live = run(routed, 2, *layout, iters=1)[0]["history"][0]["loss"]
-    replayed = run(routed, 2, "--moe-enable-routing-replay", *layout, iters=1)[0]["history"][0]["loss"]
-    no_routes = run(unrouted, 2, "--moe-enable-routing-replay", *layout, iters=1)[0]["history"][0]["loss"]
+    live = [h["loss"] for h in run(routed, 2, *layout, iters=2)[0]["history"]]
+    no_routes = [h["loss"] for h in run(unrouted, 2, "--moe-enable-routing-replay", *layout, iters=2)[0]["history"]]
     assert no_routes == pytest.approx(live, rel=1e-6, abs=1e-6)
-    assert abs(replayed - live) > 1e-4
 
 
 def test_dump_for_another_model_is_refused(tmp_path):

@@ -101,3 +101,13 @@ def test_custom_pipeline_layout_matches_megatron(monkeypatch):
             assert split.layer_range(pp_rank, vp_stage) == range(offset, offset + count)
             covered.extend(split.layer_range(pp_rank, vp_stage))
     assert sorted(covered) == list(range(9))
+
+
+def test_moe_layer_freq_flag_parses_like_megatron():
+    from megatron_r3.moe_layers import parse_moe_layer_freq
+
+    assert parse_moe_layer_freq("2") == 2
+    assert parse_moe_layer_freq("0,1,1,1") == [0, 1, 1, 1]
+    assert parse_moe_layer_freq("[0,1]") == [0, 1]
+    with pytest.raises(ValueError, match="--moe-layer-freq must be an int or comma-separated"):
+        parse_moe_layer_freq("[0]*3+[1]")

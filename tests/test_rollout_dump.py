@@ -139,3 +139,20 @@ def _dump(sample, spec):
                            layer_numbers=spec.moe_layer_numbers) as w:
         w.write(sample)
     return buffer.getvalue()
+
+
+def test_synthetic_dump_tool_writes_valid_routed_samples(tmp_path):
+    from tools.synthetic_rollout_dump import main
+
+    path = str(tmp_path / "synthetic.r3dump")
+    main(["--out", path, "--num-samples", "5", "--num-layers", "4", "--moe-layer-freq", "0,1,1,1",
+          "--num-experts", "16", "--moe-router-topk", "4", "--vocab-size", "100", "--routed-fraction", "0.5"])
+    with RolloutDumpReader(path) as reader:
+        assert reader.layer_numbers == (2, 3, 4)
+        samples = list(reader)
+    assert len(samples) == 5
+    for sample in samples:
+        assert 9 <= len(sample.token_ids) <= 40 and sample.token_ids.max() < 100
+        assert not sample.routes.valid[-1] and not sample.loss_mask[0]
+        ids = sample.routes.ids[sample.routes.valid]
+        assert (np.sort(ids, axis=2)[..., 1:] != np.sort(ids, axis=2)[..., :-1]).all()

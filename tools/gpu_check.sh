@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
-# 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the packing benchmark
-# 4. `make test`, the whole suite, with per-test timings (stopped after SUITE_LIMIT seconds, default 480).
+# 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
+# rank per GPU  4. the packing benchmark  5. `make test`, the whole suite, with per-test timings (stopped
+# after SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -18,6 +19,17 @@ if ! .venv/bin/python -m pytest -p no:cacheprovider -q -x tests/test_launcher.py
   export R3_NCCL_WORKERS=spawn
 fi
 .venv/bin/python -m pytest -p no:cacheprovider -q -rfE -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -3
+ngpu=$(nvidia-smi -L | wc -l)
+.venv/bin/python tools/synthetic_rollout_dump.py --out "$out/synthetic.r3dump" --num-samples 64 --num-layers 4 \
+  --moe-layer-freq 0,1,1,1 --num-experts 8 --moe-router-topk 2 --vocab-size 1024
+.venv/bin/python -m torch.distributed.run --nproc-per-node "$ngpu" launch/pretrain_gpt_r3.py \
+  --rollout-dump "$out/synthetic.r3dump" --num-layers 4 --moe-layer-freq 0,1,1,1 --hidden-size 256 \
+  --ffn-hidden-size 512 --num-attention-heads 8 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 \
+  --vocab-size 1024 --seq-length 256 --micro-batch-size 4 --global-batch-size $((8 * ngpu)) \
+  --expert-model-parallel-size "$ngpu" --train-iters 10 --lr 1e-3 --bf16 --moe-enable-routing-replay \
+  > "$out/launch.log" 2>&1
+echo "launcher exit status: $?" | tee -a "$out/launch.log"
+grep " iteration " "$out/launch.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
 timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
   > "$out/test.log" 2>&1
