@@ -33,6 +33,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Optional
 
@@ -57,7 +58,7 @@ from megatron_r3.rollout_batch import (
 from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample
 from megatron_r3.routes import RolloutRoutes
 from megatron_r3.routing_replay import add_routing_replay_args, moe_routing_for_chunk, routing_replay_config_kwargs
-from megatron_r3.transport import RouteUploader
+from megatron_r3.transport import PackedRoutes, RouteUploader
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -250,12 +251,12 @@ def check_dump(path: str, args: argparse.Namespace) -> None:
                          f"the model has {want}")
 
 
+@dataclass
 class _Microbatch:
     """A packed microbatch and, with replay, its routes for one model chunk."""
 
-    def __init__(self, batch: RolloutMicrobatch, routes=None):
-        self.batch = batch
-        self.routes = routes  # PackedRoutes or None
+    batch: RolloutMicrobatch
+    routes: Optional[PackedRoutes] = None
 
 
 def _forward_step(data_iterator, model):
@@ -264,10 +265,8 @@ def _forward_step(data_iterator, model):
     routing = None
     if item.routes is not None:
         routing = moe_routing_for_chunk(model, item.routes.wait(), item.routes.layer_numbers, values_checked=True)
-    per_token_loss = model(
-        batch.tokens, batch.position_ids, None, labels=batch.labels,
-        packed_seq_params=batch.packed_seq_params, **({"moe_routing": routing} if routing is not None else {}),
-    )
+    per_token_loss = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                           packed_seq_params=batch.packed_seq_params, moe_routing=routing)
     return per_token_loss, partial(_loss_func, batch)
 
 
