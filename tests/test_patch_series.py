@@ -44,6 +44,18 @@ def test_apply_to_checkout_then_refuse_second_time(megatron_sdist, tmp_path):
     assert "already has the megatron-r3 series applied" in second.stderr
 
 
+def test_plain_git_apply_of_the_diffs_in_name_order(megatron_sdist, tmp_path):
+    """The documented `git apply patches/*.diff`: the shell's name order is the series order."""
+    series = (ROOT / "patches" / "series").read_text().split()
+    diffs = sorted(p.name for p in (ROOT / "patches").glob("*.diff"))
+    assert diffs == series
+    tree = git_checkout(megatron_sdist, tmp_path)
+    proc = subprocess.run(["git", "apply", *(str(ROOT / "patches" / name) for name in diffs)],
+                          cwd=tree, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert run_tool("apply", str(tree)).returncode == 1  # and the tool sees the series applied
+
+
 def test_refuse_wrong_base(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
     info = tree / "megatron/core/package_info.py"
@@ -67,8 +79,8 @@ def test_check_rejects_a_patch_without_header(megatron_sdist, tmp_path, monkeypa
     bad_dir.mkdir()
     first = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[0]).read_text()
     body = first.split("\n---\n", 1)[1]
-    (bad_dir / "0001-bare.patch").write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + body)
-    (bad_dir / "series").write_text("0001-bare.patch\n")
+    (bad_dir / "0001-bare.diff").write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + body)
+    (bad_dir / "series").write_text("0001-bare.diff\n")
     monkeypatch.setattr(patch_series, "PATCH_DIR", bad_dir)
     with pytest.raises(patch_series.SeriesError, match="Why:"):
         patch_series.check_series(megatron_sdist)

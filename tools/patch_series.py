@@ -227,11 +227,11 @@ def make_workspace(sdist, out):
 
 def export_series(repo, base):
     """Rewrite patches/ and patches/series from the commits base..HEAD of `repo`."""
-    for old in PATCH_DIR.glob("*.patch"):
+    for old in PATCH_DIR.glob("*.diff"):
         old.unlink()
     out = subprocess.run(
         ["git", "format-patch", "--no-signature", "--zero-commit", "--no-numbered",
-         "-o", str(PATCH_DIR), f"{base}..HEAD"],
+         "--suffix=.diff", "-o", str(PATCH_DIR), f"{base}..HEAD"],
         cwd=repo, capture_output=True, text=True, check=True,
     ).stdout.split()
     names = [Path(p).name for p in out]
