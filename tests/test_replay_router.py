@@ -117,6 +117,26 @@ def test_rows_without_route_use_the_live_router(variant):
     assert not routing_map[no_route][:, 0].all()
 
 
+@pytest.mark.parametrize("variant", ["softmax_post_topk", "sigmoid_expert_bias", "group_limited"])
+def test_live_expert_ids_are_the_routers_own_choice_under_replay(variant):
+    router = make_router(**VARIANTS[variant])
+    hidden = torch.randn(SEQ, BATCH, HIDDEN)
+    live = MoERouting([LAYER])
+    router(hidden, moe_routing=live)
+    ids = random_routes(1, SEQ * BATCH, seed=7)
+    ids[0, ::4] = -1
+    replayed = MoERouting([LAYER], expert_ids=ids)
+    router(hidden, moe_routing=replayed)
+
+    # Without replay the live choice is the route taken; with it, the same live choice is
+    # kept beside the replayed routes (the rows without a route took the live choice).
+    assert torch.equal(live.live_expert_ids(), live.recorded_expert_ids())
+    assert torch.equal(replayed.live_expert_ids(), live.recorded_expert_ids())
+    taken = torch.where(ids < 0, live.recorded_expert_ids(), ids)
+    assert torch.equal(replayed.recorded_expert_ids(), taken)
+    assert not torch.equal(replayed.live_expert_ids(), replayed.recorded_expert_ids())
+
+
 def test_expert_bias_counts_the_replayed_routes():
     router = make_router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     hidden = torch.randn(SEQ, BATCH, HIDDEN)
