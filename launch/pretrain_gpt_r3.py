@@ -1,86 +1,86 @@
-"""Train a Megatron GPT MoE on a rollout dump, with rollout routing replay (R3).
+"""RL training of a Megatron GPT MoE with rollout routing replay (R3).
 
-    torchrun --nproc-per-node 8 launch/pretrain_gpt_r3.py --rollout-dump rollouts.r3dump \\
-        --num-layers 8 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 \\
-        --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 512 --moe-layer-freq 0,1,1,1,1,1,1,1 \\
-        --vocab-size 32768 --seq-length 8192 --micro-batch-size 4 --global-batch-size 64 \\
-        --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 \\
-        --train-iters 100 --lr 1e-5 --bf16 --moe-enable-routing-replay
+    torchrun --nproc-per-node 2 launch/pretrain_gpt_r3.py --moe-enable-routing-replay
 
-Each iteration reads ``--global-batch-size`` samples from the dump
-(``megatron_r3.rollout_dump``, read again from the start when it runs out), and
-data-parallel rank ``d`` trains on its share in microbatches of
-``--micro-batch-size`` samples packed into one ``--seq-length`` row (THD). With
-``--moe-enable-routing-replay`` every MoE router uses the experts the rollout
-engine chose for each token (tokens without a route are routed live); the routes
-travel through ``RouteUploader`` (pinned buffer, asynchronous copy, packing
-kernel) to the ``MoERouting`` input of every model chunk on every pipeline stage.
+With no other flag this is a complete small R3 loop, with no data and no
+download, on CPUs (gloo) or GPUs (NCCL): each iteration the built-in rollout
+engine (``megatron_r3.rollout_engine``: the policy's weights in bf16, lagging
+``--rollout-staleness`` optimizer steps) completes ``--global-batch-size /
+--rollouts-per-prompt`` prompts of a built-in task (``megatron_r3.tasks``) and
+records the routes it took and the log-probs of its tokens; the task scores the
+completions; the trainer (``megatron_r3.policy_trainer``, fp32) replays the
+engine's routes on every MoE layer and takes a step on the clipped
+policy-gradient loss with group-normalised advantages (GRPO). ``--r3-compare``
+(on by default here) runs one more forward-only pass without replay, so every
+logged iteration shows the train/rollout mismatch with and without R3.
 
-The loss is the next-token cross-entropy on the dump's loss mask, averaged over
-the iteration's trained tokens; the optimizer is AdamW. Every ``--log-interval``
-iterations the last rank prints the loss and how far the trainer's log-probs are
-from the rollout engine's (mean |logp_train - logp_rollout|, the k3 KL estimate,
-and the fraction of tokens whose ratio lies outside [1/2, 2]): replay is what
-brings these down.
+With ``--rollout-dump`` the samples come from a rollout dump instead
+(``megatron_r3.rollout_dump``, read again from the start when it runs out; each
+sample's metadata holds its ``reward`` or ``advantage``), trained with the same
+loss and metrics.
 
-Layers come from ``megatron_r3.layer_specs`` (no TransformerEngine needed). The
-model is freshly initialised from ``--seed``; loading checkpoints is not supported.
+``--routing-replay-mode r2`` replays the routes of the trainer's own
+old-log-prob pass instead of the engine's; without ``--moe-enable-routing-replay``
+the trainer routes live. Every ``--log-interval`` iterations the last rank
+prints a progress line and appends the metrics (``megatron_r3.train_metrics``)
+to ``--metrics-file``. Flags follow Megatron's names; every model and layout
+flag has a small default (all parallel sizes 1, so ``--nproc-per-node 2`` is
+data-parallel size 2). Layers come from ``megatron_r3.layer_specs`` (no
+TransformerEngine needed). Checkpoints are not loaded or saved yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.grads import reduce_grads
+from megatron_r3.adapters import RoutingSpec
 from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
-from megatron_r3.plan import RankLayout, chunk_plans
-from megatron_r3.rollout_batch import (
-    RolloutMicrobatch,
-    logprob_mismatch_metrics,
-    logprob_mismatch_sums,
-    pack_rollout_microbatch,
-)
+from megatron_r3.plan import RankLayout
+from megatron_r3.policy_loss import group_advantages
+from megatron_r3.policy_trainer import REPLAY_MODES, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample
-from megatron_r3.routes import RolloutRoutes
-from megatron_r3.routing_replay import add_routing_replay_args, moe_routing_for_chunk, routing_replay_config_kwargs
-from megatron_r3.transport import PackedRoutes, RouteUploader
+from megatron_r3.rollout_engine import RolloutEngine, RowLayout, SamplingParams
+from megatron_r3.routing_replay import add_routing_replay_args, routing_replay_config_kwargs
+from megatron_r3.tasks import EOS, TRANSFORMS, SymbolTask
+from megatron_r3.train_metrics import MetricsFile, iteration_metrics, progress_line
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Megatron-style flags."""
+    """Megatron-style flags; every one has a default that makes a small embedded run."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="pretrain_gpt_r3.py")
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, required=True)
-    model.add_argument("--hidden-size", type=int, required=True)
-    model.add_argument("--ffn-hidden-size", type=int, required=True)
-    model.add_argument("--num-attention-heads", type=int, required=True)
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--ffn-hidden-size", type=int, default=128)
+    model.add_argument("--num-attention-heads", type=int, default=4)
     model.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention groups")
-    model.add_argument("--num-experts", type=int, required=True)
-    model.add_argument("--moe-router-topk", type=int, required=True)
-    model.add_argument("--moe-ffn-hidden-size", type=int, required=True)
+    model.add_argument("--num-experts", type=int, default=16)
+    model.add_argument("--moe-router-topk", type=int, default=4)
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=64)
     model.add_argument("--moe-layer-freq", default="1",
                        help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated")
     model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
     model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
-    model.add_argument("--vocab-size", type=int, required=True, help="divisible by the TP size")
+    model.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    model.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (default fp32)")
+    model.add_argument("--bf16", action="store_true",
+                       help="train in bf16 parameters and activations (default fp32; the rollout engine is bf16)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -96,18 +96,45 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parallel.add_argument("--recompute-num-layers", type=int, default=1)
 
     training = parser.add_argument_group("training")
-    training.add_argument("--rollout-dump", required=True, help="rollout dump file (megatron_r3.rollout_dump)")
-    training.add_argument("--micro-batch-size", type=int, default=1, help="samples packed per microbatch")
+    training.add_argument("--rollout-dump", default=None,
+                          help="train on this rollout dump (megatron_r3.rollout_dump) instead of the built-in engine")
+    training.add_argument("--micro-batch-size", type=int, default=8, help="samples packed per microbatch")
     training.add_argument("--global-batch-size", type=int, default=None,
-                          help="samples per iteration over all data-parallel ranks (default: one microbatch each)")
-    training.add_argument("--seq-length", type=int, required=True, help="length of a packed microbatch row")
-    training.add_argument("--train-iters", type=int, required=True)
-    training.add_argument("--lr", type=float, default=1e-5)
+                          help="samples per iteration over all data-parallel ranks (default: 32 in the embedded "
+                               "run, one microbatch per rank with --rollout-dump)")
+    training.add_argument("--seq-length", type=int, default=None,
+                          help="length of a packed microbatch row (default in the embedded run: room for "
+                               "--micro-batch-size of the task's longest samples; required with --rollout-dump)")
+    training.add_argument("--train-iters", type=int, default=40)
+    training.add_argument("--lr", type=float, default=1e-3)
     training.add_argument("--weight-decay", type=float, default=0.0)
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--log-interval", type=int, default=1)
+    training.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration here")
+
+    rl = parser.add_argument_group("reinforcement learning")
+    rl.add_argument("--task", choices=sorted(TRANSFORMS), default="reverse", help="the built-in task")
+    rl.add_argument("--task-num-symbols", type=int, default=8, help="distinct symbols of the task")
+    rl.add_argument("--task-min-symbols", type=int, default=3, help="fewest symbols in a prompt")
+    rl.add_argument("--task-max-symbols", type=int, default=6, help="most symbols in a prompt")
+    rl.add_argument("--rollouts-per-prompt", type=int, default=4,
+                    help="completions per prompt; advantages are normalised within these groups (GRPO)")
+    rl.add_argument("--rollout-temperature", type=float, default=1.0)
+    rl.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's longest answer")
+    rl.add_argument("--rollout-staleness", type=int, default=0,
+                    help="optimizer steps the rollout engine's weights trail the policy's")
+    rl.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip epsilon of the importance ratio")
+    rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default="r3",
+                    help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3) or those "
+                         "of the trainer's own old-log-prob pass (r2)")
+    rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
+                    help="one more forward-only pass per iteration in the other routing mode, to report the "
+                         "mismatch with and without replay (default: on without --rollout-dump)")
     add_routing_replay_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.r3_compare is None:
+        args.r3_compare = args.rollout_dump is None
+    return args
 
 
 def layer_freq(args: argparse.Namespace):
@@ -115,9 +142,53 @@ def layer_freq(args: argparse.Namespace):
     return parse_moe_layer_freq(args.moe_layer_freq)
 
 
-def transformer_config(args: argparse.Namespace, device: torch.device) -> TransformerConfig:
-    """The model's ``TransformerConfig`` from the flags."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+def task_of(args: argparse.Namespace) -> SymbolTask:
+    """The built-in task the flags describe."""
+    return SymbolTask(args.task, args.task_num_symbols, args.task_min_symbols, args.task_max_symbols)
+
+
+def complete_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the defaults that depend on other flags and checks that they fit together."""
+    tp = args.tensor_model_parallel_size
+    if args.rollout_dump is not None:
+        for flag in ("vocab_size", "seq_length"):
+            if getattr(args, flag) is None:
+                raise ValueError(f"--{flag.replace('_', '-')} is required with --rollout-dump")
+        return args
+    task = task_of(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.max_answer_tokens
+    if args.vocab_size is None:
+        args.vocab_size = -(-task.vocab_size // tp) * tp
+    if args.vocab_size < task.vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size} is too small for task {args.task!r} with "
+                         f"{args.task_num_symbols} symbols (it needs {task.vocab_size})")
+    if args.global_batch_size is None:
+        args.global_batch_size = 32
+    if args.seq_length is None:
+        cp = args.context_parallel_size
+        alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+        longest = task.max_prompt_tokens + args.max_new_tokens
+        args.seq_length = args.micro_batch_size * -(-longest // alignment) * alignment
+    return args
+
+
+def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: Optional[bool] = None,
+                       routing_replay: Optional[bool] = None) -> TransformerConfig:
+    """The model's ``TransformerConfig`` from the flags.
+
+    Args:
+        args: The flags.
+        device: Where the model computes.
+        bf16: Override ``--bf16`` (the rollout engine always runs bf16).
+        routing_replay: Override ``moe_enable_routing_replay`` (default: on with
+            ``--moe-enable-routing-replay`` or ``--r3-compare``, which replays in its extra pass).
+    """
+    bf16 = args.bf16 if bf16 is None else bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    replay = routing_replay_config_kwargs(args)
+    replay["moe_enable_routing_replay"] = (
+        args.moe_enable_routing_replay or args.r3_compare if routing_replay is None else routing_replay)
     recompute = {}
     if args.recompute_granularity == "full":
         recompute = dict(recompute_granularity="full", recompute_method=args.recompute_method,
@@ -131,6 +202,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device) -> Transf
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
         normalization=args.normalization,
+        init_method_std=args.init_method_std,
         add_bias_linear=False,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -150,7 +222,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device) -> Transf
         expert_model_parallel_size=args.expert_model_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=args.bf16,
+        bf16=bf16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=device.type == "cpu",
@@ -166,7 +238,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device) -> Transf
         # the same peer (PP=2); separate isend/irecv are right on every backend.
         batch_p2p_comm=device.type == "cuda",
         **recompute,
-        **routing_replay_config_kwargs(args),
+        **replay,
     )
 
 
@@ -182,13 +254,20 @@ def init_model_parallel(args: argparse.Namespace) -> None:
 
 
 def initialize(args: argparse.Namespace) -> torch.device:
-    """Process group from torchrun's environment (NCCL), parallel state and RNG."""
-    if not torch.cuda.is_available():
-        sys.exit("pretrain_gpt_r3.py: no CUDA device; start it with torchrun on GPU nodes")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    """Process group (from torchrun's environment unless one exists), parallel state and RNG.
+
+    CUDA and NCCL where CUDA is available, else the CPU and gloo.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     init_model_parallel(args)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -252,126 +331,143 @@ def check_dump(path: str, args: argparse.Namespace) -> None:
 
 
 @dataclass
-class _Microbatch:
-    """A packed microbatch and, with replay, its routes for one model chunk."""
+class RolloutBatch:
+    """This data-parallel rank's samples of one iteration, with their advantages and rewards."""
 
-    batch: RolloutMicrobatch
-    routes: Optional[PackedRoutes] = None
-
-
-def _forward_step(data_iterator, model):
-    item: _Microbatch = next(data_iterator)
-    batch = item.batch
-    routing = None
-    if item.routes is not None:
-        routing = moe_routing_for_chunk(model, item.routes.wait(), item.routes.layer_numbers, values_checked=True)
-    per_token_loss = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
-                           packed_seq_params=batch.packed_seq_params, moe_routing=routing)
-    return per_token_loss, partial(_loss_func, batch)
+    samples: list[RolloutSample]
+    advantages: np.ndarray
+    rewards: Optional[np.ndarray]
 
 
-def _loss_func(batch: RolloutMicrobatch, per_token_loss: torch.Tensor):
-    mask = batch.loss_mask
-    loss = (per_token_loss.float() * mask).sum()
-    sums = logprob_mismatch_sums(-per_token_loss.detach().float(), batch.rollout_logprobs, mask)
-    # Tokens and mismatch sums, then the loss sum: what the schedule keeps per microbatch.
-    return loss, mask.sum().to(torch.int), {"sums": torch.cat([sums, loss.detach().double().reshape(1)])}
+class EmbeddedRollouts:
+    """Prompts from the built-in task, completions from the built-in engine, rewards from the task.
+
+    Replica ``d`` completes prompts ``[d * P, (d + 1) * P)`` of each iteration, each
+    ``--rollouts-per-prompt`` times; advantages are normalised within each prompt's group.
+    """
+
+    def __init__(self, args: argparse.Namespace, engine: RolloutEngine, per_rank: int):
+        self.task = task_of(args)
+        self.engine = engine
+        self.seed = args.seed
+        self.group = args.rollouts_per_prompt
+        self.prompts_per_rank = per_rank // self.group
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+
+    def batch(self, iteration: int) -> RolloutBatch:
+        first = self.dp_rank * self.prompts_per_rank
+        prompts = self.task.prompts(self.seed, iteration, range(first, first + self.prompts_per_rank))
+        repeated = [p for p in prompts for _ in range(self.group)]
+        self.engine.weights.advance()
+        samples = self.engine.generate([p.token_ids for p in repeated], iteration)
+        rewards = np.asarray([self.task.reward(p, s.token_ids[len(p.token_ids):]) for p, s in zip(repeated, samples)])
+        for sample, reward in zip(samples, rewards):
+            sample.meta["reward"] = float(reward)
+        return RolloutBatch(samples, group_advantages(rewards, self.group), rewards)
 
 
-def train(
-    args: argparse.Namespace,
-    config: TransformerConfig,
-    chunks: list[GPTModel],
-    device: torch.device,
-    log: Callable[[str], None] = print,
-) -> list[dict]:
-    """The training loop; returns each iteration's metrics (loss and log-prob mismatch)."""
-    check_dump(args.rollout_dump, args)
+class DumpRollouts:
+    """The next ``--global-batch-size`` samples of the dump; this rank trains on its share.
+
+    Advantages come from each sample's metadata: ``advantage`` as given, or ``reward``
+    normalised within groups of ``--rollouts-per-prompt`` consecutive samples.
+    """
+
+    def __init__(self, args: argparse.Namespace, global_batch: int, per_rank: int):
+        check_dump(args.rollout_dump, args)
+        self.stream = samples_forever(args.rollout_dump)
+        self.global_batch = global_batch
+        self.group = args.rollouts_per_prompt
+        start = parallel_state.get_data_parallel_rank() * per_rank
+        self.share = slice(start, start + per_rank)
+
+    def batch(self, iteration: int) -> RolloutBatch:
+        samples = [next(self.stream) for _ in range(self.global_batch)]
+        rewards = None
+        if all("advantage" in s.meta for s in samples):
+            advantages = np.asarray([float(s.meta["advantage"]) for s in samples])
+            if all("reward" in s.meta for s in samples):
+                rewards = np.asarray([float(s.meta["reward"]) for s in samples])
+        else:
+            missing = next((i for i, s in enumerate(samples) if "reward" not in s.meta), None)
+            if missing is not None:
+                raise ValueError(f"rollout dump sample {missing} of iteration {iteration} has neither 'reward' nor "
+                                 f"'advantage' in its metadata: the policy-gradient loss needs one")
+            rewards = np.asarray([float(s.meta["reward"]) for s in samples])
+            advantages = group_advantages(rewards, self.group)
+        return RolloutBatch(samples[self.share], advantages[self.share],
+                            None if rewards is None else rewards[self.share])
+
+
+def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
+    """Builds the models, the rollout source and the trainer, and runs ``--train-iters`` iterations.
+
+    Returns:
+        Every iteration's metrics (the same on every rank).
+    """
+    args = complete_args(args)
     dp_size = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
-    if global_batch % (args.micro_batch_size * dp_size):
+    per_rank = global_batch // dp_size
+    if global_batch % dp_size or per_rank % args.micro_batch_size:
         raise ValueError(f"--global-batch-size {global_batch} must be a multiple of --micro-batch-size x DP "
                          f"= {args.micro_batch_size * dp_size}")
-    per_rank = global_batch // dp_size
-    rank = rank_layout(config)
-    split = PipelineSplit.from_config(config)
-    replay = config.moe_enable_routing_replay
-    uploader = RouteUploader(device) if replay else None
+    if global_batch % args.rollouts_per_prompt or per_rank % args.rollouts_per_prompt:
+        raise ValueError(f"each data-parallel rank's {per_rank} samples must be whole groups of "
+                         f"--rollouts-per-prompt {args.rollouts_per_prompt}")
+
+    config = transformer_config(args, device)
+    chunks = build_model(args, config, device)
+    spec = RoutingSpec.from_config(config)
+    rows = RowLayout(rank_layout(config), PipelineSplit.from_config(config), args.seq_length,
+                     args.micro_batch_size, device)
     optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
                                   weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    last_rank = dist.get_rank() == dist.get_world_size() - 1
-    stream = samples_forever(args.rollout_dump)
-    history = []
-    for iteration in range(1, args.train_iters + 1):
-        start = time.perf_counter()
-        samples = [next(stream) for _ in range(global_batch)][dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        per_chunk = [[] for _ in chunks]
-        for first in range(0, per_rank, args.micro_batch_size):
-            group = samples[first:first + args.micro_batch_size]
-            batch = pack_rollout_microbatch(group, rank, args.seq_length, device)
-            routes = [None] * len(chunks)
-            if replay:
-                plans = chunk_plans(rank, batch.sample_lens, source_layer_numbers=_layer_numbers(args),
-                                    split=split, qkv_format="thd", padded_lens=batch.padded_lens)
-                routes = uploader.upload([_routes_of(s, args) for s in group], plans)
-            for i, chunk_routes in enumerate(routes):
-                per_chunk[i].append(_Microbatch(batch, chunk_routes))
+    replay_mode = args.routing_replay_mode if args.moe_enable_routing_replay else None
+    trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
+        replay_mode=replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
+        temperature=args.rollout_temperature))
+    if args.rollout_dump is not None:
+        source = DumpRollouts(args, global_batch, per_rank)
+    else:
+        engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
+        engine = RolloutEngine(build_model(args, engine_config, device), chunks, spec, rows,
+                               SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
+                               args.rollout_staleness)
+        source = EmbeddedRollouts(args, engine, per_rank)
 
-        optimizer.zero_grad(set_to_none=True)
-        outputs = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=[iter(m) for m in per_chunk] if len(chunks) > 1 else iter(per_chunk[0]),
-            model=chunks,
-            num_microbatches=len(per_chunk[0]),
-            seq_length=args.seq_length,
-            micro_batch_size=1,
-            forward_only=False,
-        )
-        # Tokens, mismatch sums and loss sum: each CP/DP rank holds its own tokens on the last
-        # pipeline stage (other stages add zeros), and every TP rank the same values.
-        totals = torch.zeros(5, dtype=torch.float64, device=device)
-        for out in outputs:
-            totals += out["sums"].to(device)
-        dist.all_reduce(totals)
-        totals /= parallel_state.get_tensor_model_parallel_world_size()
-        tokens = max(float(totals[0]), 1.0)
-        reduce_grads(chunks, config)
-        for chunk in chunks:
-            for param in chunk.parameters():
-                param.grad.div_(tokens)
-        optimizer.step()
-
-        metrics = {"iteration": iteration, "loss": float(totals[4]) / tokens, "tokens": int(totals[0]),
-                   **logprob_mismatch_metrics(totals[:4]),
-                   "elapsed_ms": 1e3 * (time.perf_counter() - start)}
-        history.append(metrics)
-        if last_rank and iteration % args.log_interval == 0:
-            log(f" iteration {iteration:6d}/{args.train_iters} | loss {metrics['loss']:.6f} | tokens "
-                f"{metrics['tokens']} | logp abs diff {metrics['logp_abs_diff']:.6f} | k3 KL "
-                f"{metrics['k3_kl']:.6f} | ratio outside [1/2, 2] {metrics['ratio_outside_frac']:.6f} | "
-                f"elapsed {metrics['elapsed_ms']:.1f} ms")
+    logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    metrics_file = MetricsFile(args.metrics_file if logging_rank else None)
+    history, consumed, window_tokens = [], 0, 0
+    start = window_start = time.perf_counter()
+    try:
+        for iteration in range(1, args.train_iters + 1):
+            batch = source.batch(iteration)
+            sums = trainer.step(batch.samples, batch.advantages, batch.rewards)
+            consumed += int(sums["samples"][0])
+            window_tokens += int(sums["tokens"][0])
+            now = time.perf_counter()
+            elapsed = now - start
+            metrics = iteration_metrics(
+                sums, spec.moe_layer_numbers, iteration=iteration, consumed_samples=consumed,
+                tokens_per_s=window_tokens / max(now - window_start, 1e-9), elapsed_s=elapsed,
+                eta_s=elapsed / iteration * (args.train_iters - iteration))
+            history.append(metrics)
+            if iteration % args.log_interval == 0:
+                window_tokens, window_start = 0, now
+                if logging_rank:
+                    log(progress_line(metrics, args.train_iters))
+                    metrics_file.write(metrics)
+    finally:
+        metrics_file.close()
     return history
-
-
-def _layer_numbers(args: argparse.Namespace) -> tuple[int, ...]:
-    return moe_layer_numbers(args.num_layers, layer_freq(args))
-
-
-def _routes_of(sample: RolloutSample, args: argparse.Namespace) -> RolloutRoutes:
-    """A sample's routes; a sample the dump has none for is routed live."""
-    if sample.routes is not None:
-        return sample.routes
-    return RolloutRoutes.empty(len(sample.token_ids), num_experts=args.num_experts, topk=args.moe_router_topk,
-                               layer_numbers=_layer_numbers(args))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     device = initialize(args)
-    config = transformer_config(args, device)
-    chunks = build_model(args, config, device)
-    train(args, config, chunks, device)
+    train(args, device)
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

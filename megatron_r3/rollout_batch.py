@@ -1,4 +1,4 @@
-"""Rollout samples -> one rank's packed (THD) training microbatch, and train/rollout log-prob mismatch.
+"""Rollout samples -> one rank's packed (THD) microbatch, and train/rollout log-prob mismatch.
 
 A microbatch is a few rollout samples packed into one row (b = 1). Each sample is
 padded to Megatron's alignment (``2*cp``, times ``tp`` under sequence parallelism)
@@ -8,14 +8,15 @@ chunks ``r`` and ``2*cp-1-r`` of every sample (Megatron's zigzag), the order in
 which :class:`~megatron_r3.plan.RoutingPlan` (built with the same ``padded_lens``)
 lays out the routes.
 
-Position ``t`` of a sample predicts token ``t + 1``: its label, loss mask and
-rollout log-prob are those of token ``t + 1``; the last position predicts nothing.
+Position ``t`` of a sample predicts token ``t + 1``: its label, loss mask,
+rollout log-prob and advantage are those of token ``t + 1``; the last position
+predicts nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +36,9 @@ class RolloutMicrobatch:
         labels: int64 next-token ids (0 where there is none).
         loss_mask: float32, 1 where the next token is trained on.
         rollout_logprobs: float32 rollout log-prob of the next token (0 where unknown).
+        advantages: float32 advantage of the next token's sample (0 where none is given).
         position_ids: int64 position of each token within its sample.
+        row_index: int64 ``[s_local]`` on the host: where each local token sits in the full row.
         packed_seq_params: THD parameters of the full (not CP-split) row.
         sample_lens: Token count of each sample, in packing order.
         padded_lens: Padded length of each sample (sums to ``seq_length``).
@@ -46,7 +49,9 @@ class RolloutMicrobatch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
     position_ids: torch.Tensor
+    row_index: torch.Tensor
     packed_seq_params: PackedSeqParams
     sample_lens: list[int]
     padded_lens: list[int]
@@ -54,7 +59,11 @@ class RolloutMicrobatch:
 
 
 def pack_rollout_microbatch(
-    samples: Sequence[RolloutSample], rank: RankLayout, seq_length: int, device: torch.device
+    samples: Sequence[RolloutSample],
+    rank: RankLayout,
+    seq_length: int,
+    device: torch.device,
+    advantages: Optional[Sequence[float]] = None,
 ) -> RolloutMicrobatch:
     """Packs ``samples`` into this rank's THD microbatch of a ``seq_length`` row.
 
@@ -63,12 +72,15 @@ def pack_rollout_microbatch(
         rank: This rank's layout; only TP/SP and CP matter here.
         seq_length: Length of the packed row, a multiple of ``rank.alignment``.
         device: Where the tensors go.
+        advantages: One advantage per sample, spread over its trained tokens (default 0).
 
     Raises:
         ValueError: the padded samples do not fit in ``seq_length``.
     """
     if not samples:
         raise ValueError("a microbatch needs at least one sample")
+    if advantages is not None and len(advantages) != len(samples):
+        raise ValueError(f"{len(advantages)} advantages for a microbatch of {len(samples)} samples")
     if seq_length % rank.alignment:
         raise ValueError(f"--seq-length {seq_length} must be a multiple of {rank.alignment} (2*cp, times tp with SP)")
     lens = [len(s.token_ids) for s in samples]
@@ -81,14 +93,17 @@ def pack_rollout_microbatch(
     padded[-1] += seq_length - padded.sum()
 
     row = {name: np.zeros(seq_length, dtype) for name, dtype in
-           (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32))}
+           (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32),
+            ("advantages", np.float32))}
     start = 0
-    for sample, length, width in zip(samples, lens, padded):
+    for i, (sample, length, width) in enumerate(zip(samples, lens, padded)):
         row["tokens"][start:start + length] = sample.token_ids
         row["labels"][start:start + length - 1] = sample.token_ids[1:]
         row["loss_mask"][start:start + length - 1] = sample.loss_mask[1:]
         if sample.logprobs is not None:
             row["logprobs"][start:start + length - 1] = sample.logprobs[1:]
+        if advantages is not None:
+            row["advantages"][start:start + length - 1] = advantages[i] * sample.loss_mask[1:]
         start += int(width)
 
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
@@ -112,7 +127,9 @@ def pack_rollout_microbatch(
         labels=local("labels"),
         loss_mask=local("loss_mask"),
         rollout_logprobs=local("logprobs"),
+        advantages=local("advantages"),
         position_ids=position.unsqueeze(0).to(device),
+        row_index=index.to(torch.int64),
         packed_seq_params=params,
         sample_lens=lens,
         padded_lens=[int(p) for p in padded],
@@ -120,24 +137,40 @@ def pack_rollout_microbatch(
     )
 
 
+MISMATCH_METRICS = ("logp_abs_diff", "logp_sq_diff", "k3_kl", "frac_abs_gt_ln2", "frac_abs_gt_ln5")
+"""Names of the train/rollout mismatch metrics, in :func:`logprob_mismatch_metrics` order."""
+
+
 def logprob_mismatch_sums(
     train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Sums behind the train/rollout mismatch metrics, over tokens where ``mask`` is 1.
 
-    Returns a float64 tensor ``[4]``: tokens, sum of ``|logp_train - logp_rollout|``,
-    sum of the k3 KL estimate ``exp(d) - 1 - d`` with ``d = logp_rollout - logp_train``,
-    and the number of tokens whose ratio ``exp(-d)`` lies outside ``[1/2, 2]``. Sums
-    (not means) so that microbatches and ranks add up; see :func:`logprob_mismatch_metrics`.
+    With ``d = logp_rollout - logp_train`` per token, returns a float64 tensor ``[6]``:
+    tokens, sum of ``|d|``, sum of ``d**2``, sum of the k3 KL estimate ``exp(d) - 1 - d``,
+    and the numbers of tokens with ``|d| > ln 2`` (ratio outside ``[1/2, 2]``) and
+    ``|d| > ln 5``. Sums (not means) so that microbatches and ranks add up; see
+    :func:`logprob_mismatch_metrics`.
     """
     mask = mask.to(torch.float64)
     diff = (rollout_logprobs.to(torch.float64) - train_logprobs.to(torch.float64)) * mask
-    outside = (diff.abs() > np.log(2.0)).to(torch.float64) * mask
-    return torch.stack([mask.sum(), diff.abs().sum(), ((torch.exp(diff) - 1 - diff) * mask).sum(), outside.sum()])
+    size = diff.abs()
+    return torch.stack([
+        mask.sum(),
+        size.sum(),
+        (diff * diff).sum(),
+        ((torch.exp(diff) - 1 - diff) * mask).sum(),
+        ((size > np.log(2.0)).to(torch.float64) * mask).sum(),
+        ((size > np.log(5.0)).to(torch.float64) * mask).sum(),
+    ])
 
 
 def logprob_mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
-    """Mean |logp diff|, mean k3 KL and the fraction of ratios outside [1/2, 2] from :func:`logprob_mismatch_sums`."""
-    tokens, abs_diff, k3, outside = (float(v) for v in sums)
+    """Means over tokens of :func:`logprob_mismatch_sums`, named as in :data:`MISMATCH_METRICS`.
+
+    Mean ``|d|``, mean ``d**2``, mean k3 KL, and the fractions of tokens with
+    ``|d| > ln 2`` and ``|d| > ln 5``.
+    """
+    tokens, *totals = (float(v) for v in sums)
     tokens = max(tokens, 1.0)
-    return {"logp_abs_diff": abs_diff / tokens, "k3_kl": k3 / tokens, "ratio_outside_frac": outside / tokens}
+    return {name: total / tokens for name, total in zip(MISMATCH_METRICS, totals)}

@@ -1,0 +1,254 @@
+"""The built-in rollout engine: a bf16 copy of the policy that samples completions and records routes.
+
+The engine is a second set of model chunks in the trainer's parallel layout,
+built with a bf16 config and ``moe_enable_routing_replay`` (so its routers can
+record), whose weights trail the policy's by ``staleness`` optimizer steps
+(:class:`~megatron_r3.weight_lag.LaggedWeights`). It stands in for vLLM or
+SGLang: inference precision, possibly stale weights, and the routes it took.
+
+Generation is a loop of forward-only passes through Megatron's schedule over
+packed THD rows of the fixed ``seq_length`` (no KV cache: pipeline stages
+exchange activations of one shape). After each pass the last pipeline stage
+takes every unfinished sample's last-position logits (gathered over the
+tensor-parallel vocabulary shards; under context parallelism the rank that
+holds the position contributes it), samples the next token from
+``softmax(logits / temperature)`` with a generator seeded from ``(seed,
+iteration, step, data-parallel rank)``, so every rank of a replica draws the
+same tokens, and broadcasts them to the other stages. A sample stops at the
+stop token or after ``max_new_tokens``; all data-parallel replicas run the same
+number of passes (expert parallelism spans them).
+
+One last forward-only pass over the finished samples records, per token, the
+routes every MoE layer took and the log-prob of each sampled token. The routes
+come back through the data plane (``adapters.from_megatron_recorded`` with the
+``RoutingPlan`` each part was recorded under, the parts of the replica's TP, CP
+and PP ranks gathered on every rank). Like vLLM and SGLang, the engine reports
+no route for the final sampled token (it never ran through the model), so the
+trainer routes that token live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_r3.adapters import RoutingSpec, from_megatron_recorded
+from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
+from megatron_r3.moe_layers import PipelineSplit
+from megatron_r3.plan import RankLayout, chunk_plans
+from megatron_r3.replica_comm import (
+    broadcast_from_last_stage,
+    gather_objects_in_replica,
+    gather_vocab_parallel,
+    sum_over_context_parallel,
+)
+from megatron_r3.rollout_batch import RolloutMicrobatch, pack_rollout_microbatch
+from megatron_r3.rollout_dump import RolloutSample
+from megatron_r3.routes import RolloutRoutes
+from megatron_r3.weight_lag import LaggedWeights
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples.
+
+    Attributes:
+        temperature: Softmax temperature (> 0) of the sampling distribution; the
+            reported log-probs are of that distribution.
+        max_new_tokens: Most tokens a completion gets.
+        stop_token: A sample ends once it draws this token (it is kept).
+        seed: Base seed of the sampling generators.
+    """
+
+    temperature: float
+    max_new_tokens: int
+    stop_token: int
+    seed: int
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a rank packs samples into the rows the model runs (shared by engine and trainer).
+
+    Attributes:
+        rank: This rank's place in the layout (TP/SP, CP, PP rank).
+        split: The model's pipeline split (which chunk builds which layers).
+        seq_length: Length of a packed row.
+        micro_batch_size: Samples per row.
+        device: Where the rows go.
+    """
+
+    rank: RankLayout
+    split: PipelineSplit
+    seq_length: int
+    micro_batch_size: int
+    device: torch.device
+
+    def microbatches(self, samples: Sequence[RolloutSample], advantages=None) -> list[RolloutMicrobatch]:
+        """``samples`` packed ``micro_batch_size`` at a time, in order."""
+        if len(samples) % self.micro_batch_size:
+            raise ValueError(f"{len(samples)} samples do not make whole microbatches of "
+                             f"--micro-batch-size {self.micro_batch_size}")
+        out = []
+        for first in range(0, len(samples), self.micro_batch_size):
+            span = slice(first, first + self.micro_batch_size)
+            out.append(pack_rollout_microbatch(samples[span], self.rank, self.seq_length, self.device,
+                                               None if advantages is None else advantages[span]))
+        return out
+
+    def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]):
+        """The routing plan of each of this rank's model chunks for ``batch``."""
+        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=moe_layer_numbers, split=self.split,
+                           qkv_format="thd", padded_lens=batch.padded_lens)
+
+
+class RolloutEngine:
+    """Samples completions with lagging bf16 weights and records their routes and log-probs.
+
+    Args:
+        chunks: The engine's model chunks (bf16 config with ``moe_enable_routing_replay``).
+        policy: The trainer's model chunks, same layout; the engine trails their weights.
+        spec: The model's MoE layers, experts and top-k.
+        rows: How this rank packs rows.
+        sampling: Temperature, length limit, stop token, seed.
+        staleness: Optimizer steps the engine's weights trail the policy's by.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        policy: Sequence[torch.nn.Module],
+        spec: RoutingSpec,
+        rows: RowLayout,
+        sampling: SamplingParams,
+        staleness: int,
+    ):
+        self.chunks = list(chunks)
+        self.spec = spec
+        self.rows = rows
+        self.sampling = sampling
+        self.weights = LaggedWeights(policy, self.chunks, staleness)
+        for chunk in self.chunks:
+            chunk.eval()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[np.ndarray], iteration: int) -> list[RolloutSample]:
+        """Completes this replica's ``prompts`` (every rank of the replica passes the same ones).
+
+        Call :meth:`LaggedWeights.advance` on :attr:`weights` once per iteration first.
+
+        Returns:
+            One sample per prompt, in order: prompt and completion tokens, the loss mask on
+            the completion, the engine's log-prob of every token after the first, and the
+            routes of every token but the final one.
+        """
+        tokens = [list(map(int, p)) for p in prompts]
+        prompt_lens = [len(p) for p in prompts]
+        active = np.ones(len(tokens), dtype=bool)
+        for step in range(self.sampling.max_new_tokens):
+            if not _any_rank(bool(active.any()), self.rows.device):
+                break
+            drawn = self._next_tokens(tokens, iteration, step)
+            for i in np.flatnonzero(active):
+                tokens[i].append(int(drawn[i]))
+                active[i] = drawn[i] != self.sampling.stop_token
+        return self._record(tokens, prompt_lens)
+
+    def _next_tokens(self, tokens: list[list[int]], iteration: int, step: int) -> np.ndarray:
+        """One forward pass; the token drawn after each sample's last position, on every rank."""
+        batches = self.rows.microbatches([_unscored(t) for t in tokens])
+
+        def last_position_logits(index, batch, logits):
+            ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
+            rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
+            for i, end in enumerate(ends):
+                local = torch.nonzero(batch.row_index == int(end)).flatten()
+                if len(local):  # only the CP rank that holds this position
+                    rows[i] = logits[0, int(local[0])].float()
+            return no_loss({"rows": rows}, logits)
+
+        outputs, _ = run_pass(self.chunks, batches, last_position_logits)
+        count = len(tokens)
+        drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
+        if parallel_state.is_pipeline_last_stage():
+            vocab_shard = torch.cat([out["rows"] for out in outputs])
+            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard))
+            probs = torch.softmax(logits.double().cpu() / self.sampling.temperature, dim=-1)
+            generator = torch.Generator().manual_seed(self._sampling_seed(iteration, step))
+            drawn.copy_(torch.multinomial(probs, 1, generator=generator).flatten())
+        return broadcast_from_last_stage(drawn).cpu().numpy()
+
+    def _sampling_seed(self, iteration: int, step: int) -> int:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        state = np.random.SeedSequence([self.sampling.seed, iteration, step, dp_rank]).generate_state(2)
+        return int(state[0]) << 32 | int(state[1])
+
+    def _record(self, tokens: list[list[int]], prompt_lens: list[int]) -> list[RolloutSample]:
+        """The recording pass: routes and log-probs of the finished samples."""
+        batches = self.rows.microbatches([_unscored(t) for t in tokens])
+        seq_length = self.rows.seq_length
+
+        def full_row_logprobs(index, batch, logits):
+            logprobs = token_logprobs(logits, batch.labels, self.sampling.temperature)[0]
+            row = torch.zeros(seq_length, dtype=torch.float32, device=logits.device)
+            row[batch.row_index.to(logits.device)] = logprobs
+            return no_loss({"row": row}, logits)
+
+        outputs, routings = run_pass(self.chunks, batches, full_row_logprobs, record=True)
+        rows = torch.zeros((len(batches), seq_length), dtype=torch.float32, device=self.rows.device)
+        if parallel_state.is_pipeline_last_stage():
+            rows.copy_(sum_over_context_parallel(torch.stack([out["row"] for out in outputs])))
+        rows = broadcast_from_last_stage(rows).cpu().numpy()
+
+        # This rank's recorded parts, then those of the replica's other ranks.
+        local = [[(plan, routing.recorded_expert_ids().cpu())
+                  for plan, routing in zip(self.rows.plans(batch, self.spec.moe_layer_numbers), per_chunk)]
+                 for batch, per_chunk in zip(batches, routings)]
+        parts = gather_objects_in_replica(local)
+
+        samples = []
+        for m, batch in enumerate(batches):
+            routes = from_megatron_recorded([part for rank in parts for part in rank[m]], batch.sample_lens, self.spec)
+            starts = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]]))
+            for j, (start, length) in enumerate(zip(starts, batch.sample_lens)):
+                i = m * self.rows.micro_batch_size + j
+                logprobs = np.zeros(length, dtype=np.float32)
+                logprobs[1:] = rows[m, start:start + length - 1]  # position t predicts token t + 1
+                samples.append(RolloutSample(
+                    token_ids=np.asarray(tokens[i], dtype=np.int64),
+                    loss_mask=np.arange(length) >= prompt_lens[i],
+                    logprobs=logprobs,
+                    routes=_without_final_route(routes[j]),
+                ))
+        return samples
+
+
+def _unscored(tokens: list[int]) -> RolloutSample:
+    """A sample to run through the model: tokens only."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    return RolloutSample(token_ids=ids, loss_mask=np.zeros(len(ids), dtype=bool))
+
+
+def _without_final_route(routes: RolloutRoutes) -> RolloutRoutes:
+    """The same routes with none for the final token, which an engine samples but never runs."""
+    ids, valid = routes.ids.copy(), routes.valid.copy()
+    ids[-1], valid[-1] = 0, False
+    return RolloutRoutes(ids, valid, routes.num_experts, routes.layer_numbers)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is true on any rank (every replica runs the same number of passes)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
