@@ -22,15 +22,19 @@ def samples(lengths, seed=0):
 def test_cp_ranks_together_hold_the_packed_row(tp, sp, cp):
     group = samples([7, 1, 12, 5])
     seq_length = 64
-    rows = {k: torch.zeros(seq_length) for k in ("tokens", "labels", "loss_mask", "logprobs", "positions")}
+    advantages = [0.5, -1.0, 2.0, 0.25]
+    rows = {k: torch.zeros(seq_length)
+            for k in ("tokens", "labels", "loss_mask", "logprobs", "advantages", "positions")}
     for cp_rank in range(cp):
         rank = RankLayout(tp_size=tp, sequence_parallel=sp, cp_size=cp, cp_rank=cp_rank)
-        mb = pack_rollout_microbatch(group, rank, seq_length, CPU)
+        mb = pack_rollout_microbatch(group, rank, seq_length, CPU, advantages)
         assert sum(mb.padded_lens) == seq_length and all(p % rank.alignment == 0 for p in mb.padded_lens)
         assert mb.tokens.shape == (1, seq_length // cp)
         index, _, _ = thd_zigzag_index(mb.packed_seq_params.cu_seqlens_q_padded, cp, cp_rank)
+        assert mb.row_index.tolist() == index.tolist()
         for key, value in (("tokens", mb.tokens), ("labels", mb.labels), ("loss_mask", mb.loss_mask),
-                           ("logprobs", mb.rollout_logprobs), ("positions", mb.position_ids)):
+                           ("logprobs", mb.rollout_logprobs), ("advantages", mb.advantages),
+                           ("positions", mb.position_ids)):
             rows[key][index] = value[0].to(torch.float32)
         # The routing plan of the same microbatch lists the same tokens in the same order.
         plan = RoutingPlan.build(RankLayout(cp_size=cp, cp_rank=cp_rank), mb.sample_lens, source_layer_numbers=[1],
@@ -41,13 +45,14 @@ def test_cp_ranks_together_hold_the_packed_row(tp, sp, cp):
         assert (mb.tokens[0].numpy()[~routed] == 0).all()
 
     start = 0
-    for sample, width in zip(group, mb.padded_lens):
+    for sample, advantage, width in zip(group, advantages, mb.padded_lens):
         n = len(sample.token_ids)
         span = slice(start, start + width)
         np.testing.assert_array_equal(rows["tokens"][span][:n].numpy(), sample.token_ids)
         np.testing.assert_array_equal(rows["labels"][span][:n - 1].numpy(), sample.token_ids[1:])
         np.testing.assert_array_equal(rows["loss_mask"][span][:n - 1].numpy(), sample.loss_mask[1:])
         np.testing.assert_allclose(rows["logprobs"][span][:n - 1].numpy(), sample.logprobs[1:])
+        np.testing.assert_allclose(rows["advantages"][span][:n - 1].numpy(), advantage * sample.loss_mask[1:])
         assert not rows["loss_mask"][span][n - 1:].any() and not rows["labels"][span][n - 1:].any()
         np.testing.assert_array_equal(rows["positions"][span].numpy(), np.arange(width))
         start += width
@@ -59,17 +64,25 @@ def test_rows_that_do_not_fit_are_refused():
         pack_rollout_microbatch(samples([5]), RankLayout(cp_size=2), 30, CPU)
     with pytest.raises(ValueError, match=r"samples of \[7, 1, 12\] tokens need 24 positions.*--seq-length is 20"):
         pack_rollout_microbatch(samples([7, 1, 12]), RankLayout(cp_size=2), 20, CPU)
+    with pytest.raises(ValueError, match="2 advantages for a microbatch of 3 samples"):
+        pack_rollout_microbatch(samples([7, 1, 12]), RankLayout(), 20, CPU, [1.0, 2.0])
 
 
 def test_mismatch_sums_follow_their_definitions():
     rng = np.random.default_rng(1)
     train = -rng.random(50) * 3
-    rollout = train + rng.normal(0, 0.8, 50)
+    rollout = train + rng.normal(0, 1.0, 50)
     mask = rng.random(50) < 0.6
     sums = logprob_mismatch_sums(torch.tensor(train), torch.tensor(rollout), torch.tensor(mask))
     d = (rollout - train)[mask]
-    expected = [mask.sum(), np.abs(d).sum(), (np.exp(d) - 1 - d).sum(), ((np.exp(-d) < 0.5) | (np.exp(-d) > 2)).sum()]
+    ratio = np.exp(-d)
+    expected = [mask.sum(), np.abs(d).sum(), (d * d).sum(), (np.exp(d) - 1 - d).sum(),
+                ((ratio < 1 / 2) | (ratio > 2)).sum(), ((ratio < 1 / 5) | (ratio > 5)).sum()]
+    assert expected[5] > 0
     np.testing.assert_allclose(sums.numpy(), expected, rtol=1e-12)
     metrics = logprob_mismatch_metrics(sums)
+    assert list(metrics) == ["logp_abs_diff", "logp_sq_diff", "k3_kl", "frac_abs_gt_ln2", "frac_abs_gt_ln5"]
     assert metrics["logp_abs_diff"] == pytest.approx(np.abs(d).mean())
-    assert metrics["ratio_outside_frac"] == pytest.approx(expected[3] / mask.sum())
+    assert metrics["logp_sq_diff"] == pytest.approx((d * d).mean())
+    assert metrics["frac_abs_gt_ln2"] == pytest.approx(expected[4] / mask.sum())
+    assert metrics["frac_abs_gt_ln5"] == pytest.approx(expected[5] / mask.sum())

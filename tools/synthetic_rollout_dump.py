@@ -5,9 +5,9 @@
 
 For smoke-testing ``launch/pretrain_gpt_r3.py`` on a new machine or layout
 without a rollout engine. Each sample is a prompt (the first third, not trained
-on) and a response; every token but the last (which an engine never runs) gets
-distinct random experts at every MoE layer, unless ``--routed-fraction`` leaves
-some tokens without a route.
+on) and a response with a random reward in [0, 1] (``meta["reward"]``); every
+token but the last (which an engine never runs) gets distinct random experts at
+every MoE layer, unless ``--routed-fraction`` leaves some tokens without a route.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def write_synthetic_dump(
                 loss_mask=np.arange(n) >= n // 3,
                 logprobs=-rng.random(n).astype(np.float32),
                 routes=routes,
+                meta={"reward": float(rng.random())},
             ))
     return path
 

@@ -1,0 +1,83 @@
+"""megatron_r3.train_metrics and routing_agreement: sums to metrics, exact keys, progress line, JSONL."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_r3.routing_agreement import routing_agreement_counts
+from megatron_r3.routing_replay import MoERouting
+from megatron_r3.train_metrics import MetricsFile, iteration_metrics, metric_keys, progress_line, zero_sums
+
+LAYERS = (2, 4)
+
+
+def filled_sums(live_measured=True):
+    sums = {k: v.numpy() for k, v in zero_sums(len(LAYERS), torch.device("cpu")).items()}
+    sums["loss"][:] = [-3.0, 60]
+    sums["mismatch/replay"][:] = [60, 0.6, 0.06, 0.03, 0, 0]
+    if live_measured:
+        sums["mismatch/live"][:] = [60, 6.0, 6.0, 3.0, 6, 3]
+    sums["agreement"][:] = [[90, 40], [100, 50]]
+    sums["tokens"][:] = 150
+    sums["routing/replayed_tokens"][:] = 140
+    sums["routing/live_tokens"][:] = 10
+    sums["samples"][:] = 10
+    sums["reward"][:] = [4.0, 10]
+    return sums
+
+
+def test_metrics_are_sums_divided_and_have_exactly_the_keys():
+    metrics = iteration_metrics(filled_sums(), LAYERS, iteration=3, consumed_samples=30, tokens_per_s=12.5,
+                                elapsed_s=6.0, eta_s=14.0)
+    assert list(metrics) == metric_keys(LAYERS)
+    assert metrics["loss"] == -0.05 and metrics["reward/mean"] == 0.4 and metrics["tokens"] == 150
+    assert metrics["mismatch/replay/logp_abs_diff"] == pytest.approx(0.01)
+    assert metrics["mismatch/live/k3_kl"] == pytest.approx(0.05)
+    assert metrics["mismatch/live/frac_abs_gt_ln2"] == pytest.approx(0.1)
+    assert metrics["mismatch/live/frac_abs_gt_ln5"] == pytest.approx(0.05)
+    assert metrics["routing/agreement"] == pytest.approx(130 / 150)
+    assert metrics["routing/agreement/layer_2"] == 0.9 and metrics["routing/agreement/layer_4"] == 0.8
+    assert (metrics["routing/replayed_tokens"], metrics["routing/live_tokens"]) == (140, 10)
+
+
+def test_unmeasured_values_are_none_and_the_progress_line_leaves_them_out(tmp_path):
+    sums = filled_sums(live_measured=False)
+    sums["agreement"][:] = 0
+    metrics = iteration_metrics(sums, LAYERS, iteration=3, consumed_samples=30, tokens_per_s=12.5,
+                                elapsed_s=6.0, eta_s=3725.0)
+    assert metrics["mismatch/live/k3_kl"] is None and metrics["routing/agreement"] is None
+    line = progress_line(metrics, 40)
+    assert line.startswith(" iteration        3/      40 | consumed samples:         30 | loss: -5.000000E-02")
+    assert "k3 replay: 5.000E-04" in line and "k3 live" not in line
+    assert "agreement: n/a" in line and "tokens/s: 12.5" in line and line.endswith("ETA: 1:02:05")
+
+    path = tmp_path / "metrics.jsonl"
+    out = MetricsFile(str(path))
+    out.write(metrics)
+    out.write({**metrics, "iteration": 4, "loss": math.nan})
+    out.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [3, 4] and rows[1]["loss"] is None and rows[0] == metrics
+
+
+def test_agreement_counts_replayed_pairs_where_the_live_top_k_set_is_the_same():
+    given = torch.tensor([[[0, 1], [2, 3], [-1, -1]],      # layer 2: two replayed tokens, one live
+                          [[1, 0], [3, 2], [0, 1]]])       # layer 4: three replayed tokens
+    live = torch.tensor([[[1, 0], [2, 1], [0, 1]],
+                         [[0, 1], [2, 3], [1, 2]]])
+    routing = MoERouting(layer_numbers=[2, 4], expert_ids=given)
+    for row, n in enumerate((2, 4)):
+        taken = torch.where(given[row] >= 0, given[row], live[row])
+        routing.record_layer(n, taken, live[row])
+    counts = routing_agreement_counts(routing, (2, 4, 6))
+    # Layer 2: {0,1} = {1,0} agrees, {2,3} != {2,1}; layer 4: first two agree as sets, third does not.
+    np.testing.assert_array_equal(counts.numpy(), [[1, 2, 0], [2, 3, 0]])
+
+
+def test_a_routing_without_replay_counts_nothing():
+    routing = MoERouting(layer_numbers=[2])
+    routing.record_layer(2, torch.tensor([[0, 1]]))
+    assert routing_agreement_counts(routing, (2,)).sum() == 0
