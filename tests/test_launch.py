@@ -1,29 +1,40 @@
-"""launch/pretrain_gpt_r3.py: its training loop under parallel layouts, replay on and off, and its errors.
+"""launch/pretrain_gpt_r3.py: the embedded R3 loop and dump mode, under parallel layouts, replay on and off.
 
-The loop runs in gloo workers; the CPU RNG tracker is test scaffolding (on GPUs
-``initialize`` seeds Megatron's CUDA tracker instead).
+Most runs are in-process gloo workers (``run_workers``) on a small model; one runs
+the launcher as a real ``torchrun --nproc-per-node 2`` subprocess with its defaults.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
+import torch
 from megatron.core import parallel_state
 
-from tests.support.cpu_rng import install_cpu_rng
-from tests.support.launcher import WorkerError, run_workers, worker_device
+from megatron_r3.train_metrics import metric_keys
+from tests.support.launcher import WorkerError, run_workers
 from tools.synthetic_rollout_dump import write_synthetic_dump
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERTS, TOPK, VOCAB = 4, 2, 64
-MODEL_FLAGS = [
+SMALL_MODEL = [
     "--num-layers", "4", "--moe-layer-freq", "0,1,0,1", "--hidden-size", "32", "--ffn-hidden-size", "64",
     "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", str(EXPERTS),
-    "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32", "--vocab-size", str(VOCAB),
-    "--normalization", "LayerNorm", "--seq-length", "96", "--micro-batch-size", "2", "--lr", "1e-3",
+    "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32", "--normalization", "LayerNorm",
+    "--init-method-std", "0.02",
 ]
+DUMP_FLAGS = SMALL_MODEL + ["--vocab-size", str(VOCAB), "--seq-length", "96", "--micro-batch-size", "2",
+                            "--rollouts-per-prompt", "2", "--lr", "1e-3"]
+EMBEDDED_FLAGS = SMALL_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "4", "--rollouts-per-prompt", "2",
+                                "--task-max-symbols", "4", "--train-iters", "1"]
 
 
 def write_dump(path, routed=True):
-    """Six samples of 9-40 tokens; every token but the last routed, or none."""
+    """Six samples of 9-40 tokens with rewards; every token but the last routed, or none."""
     return write_synthetic_dump(str(path), num_samples=6, num_layers=4, moe_layer_freq=[0, 1, 0, 1],
                                 num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB, routed_fraction=float(routed))
 
@@ -32,21 +43,17 @@ def train_worker(argv):
     from launch import pretrain_gpt_r3 as launcher
 
     args = launcher.parse_args(argv)
-    launcher.init_model_parallel(args)
-    install_cpu_rng(args.seed)
-    device = worker_device()
-    config = launcher.transformer_config(args, device)
-    chunks = launcher.build_model(args, config, device)
+    device = launcher.initialize(args)  # the process group exists: parallel state and seeds
     lines = []
     try:
-        history = launcher.train(args, config, chunks, device, log=lines.append)
+        history = launcher.train(args, device, log=lines.append)
     finally:
         parallel_state.destroy_model_parallel()
     return {"history": history, "lines": lines}
 
 
 def run(dump, ranks, *flags, iters=3):
-    argv = MODEL_FLAGS + ["--rollout-dump", dump, "--train-iters", str(iters), *flags]
+    argv = DUMP_FLAGS + ["--rollout-dump", dump, "--train-iters", str(iters), *flags]
     return run_workers(train_worker, ranks, argv, backend="gloo")
 
 
@@ -61,51 +68,144 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_replay_training_runs_and_learns_under_layouts(tmp_path, layout):
+def test_dump_training_runs_and_learns_under_layouts(tmp_path, layout):
     dump = write_dump(tmp_path / "rollouts.r3dump")
     results = run(dump, 2, "--moe-enable-routing-replay", *LAYOUTS[layout], iters=6)
     history = results[0]["history"]
     assert [h["loss"] for h in history] == [h["loss"] for h in results[1]["history"]], "ranks disagree"
     assert all(math.isfinite(h["loss"]) and h["tokens"] > 0 for h in history)
-    # The dump is re-read from the start: iterations 1 and 4 (then 2 and 5, ...) see the same samples.
+    # The dump is re-read from the start: iterations 1 and 4 (then 2 and 5, ...) see the same samples,
+    # and the policy-gradient loss of the same samples falls as the policy follows their advantages.
     assert history[3]["loss"] < history[0]["loss"] and history[4]["loss"] < history[1]["loss"]
-    assert 0 < history[0]["logp_abs_diff"] and 0 <= history[0]["ratio_outside_frac"] <= 1
+    assert 0 < history[0]["mismatch/replay/logp_abs_diff"] and 0 <= history[0]["mismatch/replay/frac_abs_gt_ln2"] <= 1
+    assert history[0]["mismatch/live/k3_kl"] is None  # no --r3-compare with a dump by default
+    assert 0 <= history[0]["reward/mean"] <= 1
     lines = results[1]["lines"]
-    assert len(lines) == 6 and lines[0].startswith(" iteration      1/6 | loss ")
+    assert len(lines) == 6 and lines[0].startswith(" iteration        1/       6 | consumed samples: ")
 
 
-def routes_taken_worker(argv):
-    """Trains one iteration and compares, per MoE layer, the experts taken with those replayed."""
-    from launch import pretrain_gpt_r3 as launcher
+def capture_passes():
+    """Records every model pass the trainer and the engine run, and the engine's samples.
 
-    routings = []
+    Returns the list the passes land in: per pass its owner, kind, and per microbatch and chunk
+    the routes given (None: live) and taken.
+    """
+    from megatron_r3 import policy_trainer, rollout_engine
 
-    def keep(*args, **kwargs):
-        routings.append(make_routing(*args, **kwargs))
-        return routings[-1]
+    passes = []
 
-    make_routing, launcher.moe_routing_for_chunk = launcher.moe_routing_for_chunk, keep
-    try:
-        train_worker(argv)
-    finally:
-        launcher.moe_routing_for_chunk = make_routing
-    given = [r.expert_ids for r in routings if r.layer_numbers]
-    taken = [r.recorded_expert_ids() for r in routings if r.layer_numbers]
-    replayed = [ids[..., 0] >= 0 for ids in given]
-    return {
-        "replayed_rows": sum(int(m.sum()) for m in replayed),
-        "live_rows": sum(int((~m).sum()) for m in replayed),
-        "mismatched_rows": sum(int((g != t).any(-1)[m].sum()) for g, t, m in zip(given, taken, replayed)),
-    }
+    def wrap(owner, original):
+        def run_pass(chunks, microbatches, loss_fn, **kwargs):
+            outputs, routings = original(chunks, microbatches, loss_fn, **kwargs)
+            passes.append({
+                "owner": owner, "record": kwargs.get("record", False),
+                "forward_only": kwargs.get("forward_only", True),
+                "given": [[None if r is None or r.expert_ids is None else r.expert_ids.cpu() for r in per_chunk]
+                          for per_chunk in routings],
+                "taken": [[None if r is None else r.recorded_expert_ids().cpu() for r in per_chunk]
+                          for per_chunk in routings],
+            })
+            return outputs, routings
+        return run_pass
+
+    policy_trainer.run_pass = wrap("trainer", policy_trainer.run_pass)
+    rollout_engine.run_pass = wrap("engine", rollout_engine.run_pass)
+    generate = rollout_engine.RolloutEngine.generate
+
+    def keep_samples(self, prompts, iteration):
+        samples = generate(self, prompts, iteration)
+        passes.append({"owner": "engine", "samples": [
+            (s.token_ids, s.logprobs, s.loss_mask, s.routes.to_int64()) for s in samples]})
+        return samples
+
+    rollout_engine.RolloutEngine.generate = keep_samples
+    return passes
 
 
-@pytest.mark.parametrize("layout", ["ep2", "cp2", "tp2-sp"])
-def test_replayed_routes_are_the_routes_taken(tmp_path, layout):
+def passes_worker(argv):
+    passes = capture_passes()
+    result = train_worker(argv)
+    return {**result, "passes": passes}
+
+
+def mismatched_rows(given, taken):
+    """Rows (token, layer) with a route in ``given`` that ``taken`` differs from, and how many had one."""
+    bad = rows = 0
+    for g_chunks, t_chunks in zip(given, taken):
+        for g, t in zip(g_chunks, t_chunks):
+            if g is None or g.shape[0] == 0:
+                continue
+            replayed = g[..., 0] >= 0
+            rows += int(replayed.sum())
+            bad += int((g != t).any(-1)[replayed].sum())
+    return bad, rows
+
+
+def update_pass(passes):
+    return next(p for p in passes if p.get("owner") == "trainer" and not p["forward_only"])
+
+
+EMBEDDED_LAYOUTS = {name: LAYOUTS[name] for name in ("ep2", "tp2-sp", "cp2")}
+EMBEDDED_LAYOUTS["pp2-vp2"] = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+@pytest.mark.parametrize("layout", sorted(EMBEDDED_LAYOUTS))
+def test_the_trainer_replays_the_routes_the_engine_took_under_layouts(layout):
+    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", *EMBEDDED_LAYOUTS[layout]]
+    results = run_workers(passes_worker, 2, argv, backend="gloo")
+    replayed_rows = 0  # under PP2+VP2 one rank builds only the dense layers
+    for result in results:
+        passes = result["passes"]
+        recording = next(p for p in passes if p.get("owner") == "engine" and p.get("record"))
+        update = update_pass(passes)
+        # Every route the trainer replays is the one the engine's recording pass took for that
+        # token, chunk and layer (same packing, same layout), and the trainer's routers took it.
+        bad, replayed = mismatched_rows(update["given"], recording["taken"])
+        assert bad == 0
+        replayed_rows += replayed
+        assert mismatched_rows(update["given"], update["taken"])[0] == 0
+        # Like vLLM, the engine gives no route to the final sampled token, and to none other.
+        samples = next(p["samples"] for p in passes if "samples" in p)
+        for tokens, logprobs, loss_mask, routes in samples:
+            routed = routes[:, 0, 0] >= 0
+            assert not routed[-1] and routed[:-1].all()
+            assert loss_mask.sum() >= 1 and not loss_mask[0] and (logprobs[1:][loss_mask[1:]] <= 0).all()
+        history = result["history"][0]
+        assert history["routing/replayed_tokens"] > 0 and history["routing/live_tokens"] > 0
+        assert history["mismatch/replay/logp_abs_diff"] > 0  # the engine runs bf16, the trainer fp32
+    assert replayed_rows > 0
+    ours, theirs = ([p["samples"] for p in r["passes"] if "samples" in p][0] for r in results)
+    if layout != "ep2":  # one replica: its ranks hold the same samples
+        for a, b in zip(ours, theirs):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+    else:  # EP2 on two ranks is two data-parallel replicas: each completes its own prompt
+        assert ours[0][0].tolist() != theirs[0][0].tolist()
+
+
+def test_r2_update_pass_replays_the_routes_of_the_old_logprob_pass():
+    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", "--routing-replay-mode", "r2", "--no-r3-compare",
+                             *LAYOUTS["tp2-sp"]]
+    for result in run_workers(passes_worker, 2, argv, backend="gloo"):
+        trainer = [p for p in result["passes"] if p.get("owner") == "trainer"]
+        assert [(p["record"], p["forward_only"]) for p in trainer] == [(True, True), (False, False)]
+        old, update = trainer
+        for old_chunks, given_chunks, taken_chunks in zip(old["taken"], update["given"], update["taken"]):
+            for recorded, given, taken in zip(old_chunks, given_chunks, taken_chunks):
+                assert torch.equal(given, recorded) and torch.equal(taken, recorded)
+        history = result["history"][0]
+        assert history["routing/agreement"] == 1.0  # the same weights route the same way
+        assert history["routing/live_tokens"] == 0 and history["mismatch/live/k3_kl"] is None
+
+
+def test_dump_routes_replayed_are_the_routes_taken(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
-    argv = MODEL_FLAGS + ["--rollout-dump", dump, "--train-iters", "1", "--moe-enable-routing-replay", *LAYOUTS[layout]]
-    for result in run_workers(routes_taken_worker, 2, argv, backend="gloo"):
-        assert result["mismatched_rows"] == 0
-        assert result["replayed_rows"] > 0 and result["live_rows"] > 0  # padding and last tokens route live
+    argv = DUMP_FLAGS + ["--rollout-dump", dump, "--train-iters", "1", "--moe-enable-routing-replay",
+                         *LAYOUTS["cp2"]]
+    for result in run_workers(passes_worker, 2, argv, backend="gloo"):
+        update = update_pass(result["passes"])
+        bad, replayed = mismatched_rows(update["given"], update["taken"])
+        assert bad == 0 and replayed > 0
 
 
 def test_tokens_without_routes_train_like_live_routing(tmp_path):
@@ -119,7 +219,7 @@ def test_tokens_without_routes_train_like_live_routing(tmp_path):
 
 def test_dump_for_another_model_is_refused(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
-    other = [f if f != "0,1,0,1" else "1" for f in MODEL_FLAGS]
+    other = [f if f != "0,1,0,1" else "1" for f in DUMP_FLAGS]
     with pytest.raises(WorkerError, match=r"has routes for \(experts, top-k, MoE layers\) = \(4, 2, \(2, 4\)\); "
                                           r"the model has \(4, 2, \(1, 2, 3, 4\)\)"):
         run_workers(train_worker, 1, other + ["--rollout-dump", dump, "--train-iters", "1"], backend="gloo")
@@ -129,3 +229,63 @@ def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
     with pytest.raises(WorkerError, match="--seq-length is 40: raise it or lower --micro-batch-size"):
         run(dump, 1, "--seq-length", "40", iters=1)
+
+
+def test_dump_without_rewards_is_refused(tmp_path):
+    path = write_synthetic_dump(str(tmp_path / "bare.r3dump"), num_samples=2, num_layers=4,
+                                moe_layer_freq=[0, 1, 0, 1], num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB)
+    from megatron_r3.rollout_dump import RolloutDumpReader, RolloutDumpWriter
+
+    bare = str(tmp_path / "no-reward.r3dump")
+    with RolloutDumpReader(path) as reader, RolloutDumpWriter(
+            bare, num_experts=EXPERTS, topk=TOPK, layer_numbers=(2, 4)) as writer:
+        for sample in reader:
+            sample.meta = {}
+            writer.write(sample)
+    with pytest.raises(WorkerError, match="sample 0 of iteration 1 has neither 'reward' nor 'advantage'"):
+        run(bare, 1, iters=1)
+
+
+@pytest.fixture(scope="module")
+def torchrun_default_run(tmp_path_factory):
+    """The embedded default as a user runs it: torchrun, 2 ranks, only --moe-enable-routing-replay."""
+    metrics = tmp_path_factory.mktemp("torchrun") / "metrics.jsonl"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, as on a machine without GPUs
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+               "--nproc-per-node", "2", "launch/pretrain_gpt_r3.py", "--moe-enable-routing-replay",
+               "--train-iters", "3", "--metrics-file", str(metrics)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return done.stdout, rows
+
+
+def test_torchrun_default_run_logs_progress_and_metrics(torchrun_default_run):
+    stdout, rows = torchrun_default_run
+    lines = [line for line in stdout.splitlines() if line.startswith(" iteration ")]
+    assert len(lines) == 3
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f" iteration {i:8d}/       3 | consumed samples: {32 * i:10d} | loss: ")
+        for part in ("reward: ", "k3 replay: ", "k3 live: ", "agreement: ", "tokens/s: ", "ETA: "):
+            assert part in line
+    moe_layers = range(1, 9)  # the default: 8 layers, all MoE
+    for i, row in enumerate(rows, 1):
+        assert list(row) == metric_keys(moe_layers)
+        assert row["iteration"] == i and row["consumed_samples"] == 32 * i and row["tokens"] > 32 * 5
+        assert 0 <= row["reward/mean"] <= 1 and math.isfinite(row["loss"])
+        assert 0 < row["routing/agreement"] < 1
+        assert all(0 < row[f"routing/agreement/layer_{n}"] <= 1 for n in moe_layers)
+        # Every token is replayed but the final sampled one of each of the 32 samples.
+        assert row["routing/live_tokens"] == 32 and row["routing/replayed_tokens"] == row["tokens"] - 32
+
+
+def test_torchrun_default_run_shows_replay_lowering_the_mismatch(torchrun_default_run):
+    _, rows = torchrun_default_run
+
+    def mean(mode, name):
+        return sum(r[f"mismatch/{mode}/{name}"] for r in rows) / len(rows)
+
+    assert mean("replay", "k3_kl") < mean("live", "k3_kl") / 5
+    assert mean("replay", "logp_abs_diff") < mean("live", "logp_abs_diff") / 1.5
+    assert mean("live", "frac_abs_gt_ln2") > 0
+    assert mean("replay", "frac_abs_gt_ln2") < mean("live", "frac_abs_gt_ln2") / 5
