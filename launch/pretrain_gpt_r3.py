@@ -187,8 +187,9 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: 
     bf16 = args.bf16 if bf16 is None else bf16
     dtype = torch.bfloat16 if bf16 else torch.float32
     replay = routing_replay_config_kwargs(args)
-    replay["moe_enable_routing_replay"] = (
-        args.moe_enable_routing_replay or args.r3_compare if routing_replay is None else routing_replay)
+    if routing_replay is None:
+        routing_replay = args.moe_enable_routing_replay or args.r3_compare
+    replay["moe_enable_routing_replay"] = routing_replay
     recompute = {}
     if args.recompute_granularity == "full":
         recompute = dict(recompute_granularity="full", recompute_method=args.recompute_method,

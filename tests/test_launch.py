@@ -147,6 +147,9 @@ def update_pass(passes):
 
 EMBEDDED_LAYOUTS = {name: LAYOUTS[name] for name in ("ep2", "tp2-sp", "cp2")}
 EMBEDDED_LAYOUTS["pp2-vp2"] = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+EMBEDDED_LAYOUTS["pp2-uneven-recompute"] = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+                                            "1", "--decoder-last-pipeline-num-layers", "3",
+                                            "--recompute-granularity", "full"]
 
 
 @pytest.mark.parametrize("layout", sorted(EMBEDDED_LAYOUTS))
@@ -196,6 +199,19 @@ def test_r2_update_pass_replays_the_routes_of_the_old_logprob_pass():
         history = result["history"][0]
         assert history["routing/agreement"] == 1.0  # the same weights route the same way
         assert history["routing/live_tokens"] == 0 and history["mismatch/live/k3_kl"] is None
+
+
+def test_live_training_with_compare_reports_both_modes():
+    argv = EMBEDDED_FLAGS + ["--train-iters", "2"]  # no --moe-enable-routing-replay: the trainer routes live
+    for result in run_workers(passes_worker, 2, argv, backend="gloo"):
+        trainer = [p for p in result["passes"] if p.get("owner") == "trainer"]
+        compare, update = trainer[:2]
+        assert all(g is None for per_chunk in update["given"] for g in per_chunk)  # the update routes live
+        assert mismatched_rows(compare["given"], compare["taken"])[1] > 0  # the compare pass replays
+        for history in result["history"]:
+            assert history["routing/replayed_tokens"] == 0 and history["routing/live_tokens"] == history["tokens"]
+            assert history["mismatch/live/k3_kl"] > 0 and history["mismatch/replay/k3_kl"] > 0
+            assert 0 < history["routing/agreement"] <= 1
 
 
 def test_dump_routes_replayed_are_the_routes_taken(tmp_path):
