@@ -2,7 +2,7 @@
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
 # 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
-# rank per GPU  4. the packing benchmark  5. `make test`, the whole suite, with per-test timings (stopped
+# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark  5. `make test`, the whole suite, with per-test timings (stopped
 # after SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,11 @@ ngpu=$(nvidia-smi -L | wc -l)
   > "$out/launch.log" 2>&1
 echo "launcher exit status: $?" | tee -a "$out/launch.log"
 grep " iteration " "$out/launch.log" | tail -3
+.venv/bin/python -m torch.distributed.run --nproc-per-node "$ngpu" launch/pretrain_gpt_r3.py \
+  --moe-enable-routing-replay --global-batch-size $((8 * ngpu)) --metrics-file "$out/embedded.jsonl" \
+  > "$out/embedded.log" 2>&1
+echo "embedded run exit status: $?" | tee -a "$out/embedded.log"
+grep " iteration " "$out/embedded.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
 timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
   > "$out/test.log" 2>&1
