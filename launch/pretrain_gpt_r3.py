@@ -35,7 +35,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -52,7 +52,8 @@ from megatron_r3.plan import RankLayout
 from megatron_r3.policy_loss import group_advantages
 from megatron_r3.policy_trainer import REPLAY_MODES, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample
-from megatron_r3.rollout_engine import RolloutEngine, RowLayout, SamplingParams
+from megatron_r3.rollout_batch import RowLayout
+from megatron_r3.rollout_engine import RolloutEngine, SamplingParams
 from megatron_r3.routing_replay import add_routing_replay_args, routing_replay_config_kwargs
 from megatron_r3.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, progress_line
@@ -400,12 +401,30 @@ class DumpRollouts:
                             None if rewards is None else rewards[self.share])
 
 
-def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
-    """Builds the models, the rollout source and the trainer, and runs ``--train-iters`` iterations.
+@dataclass
+class TrainingRun:
+    """Everything that decides the next iteration, in one place (what a checkpoint saves and loads).
 
-    Returns:
-        Every iteration's metrics (the same on every rank).
+    Attributes:
+        args: The completed flags.
+        trainer: The policy's chunks, optimizer and routing mode.
+        source: Where each iteration's samples come from.
+        engine: The built-in rollout engine (its chunks and lagging weight snapshots), or
+            None in dump mode.
+        iteration: Iterations done.
+        consumed_samples: Samples trained on so far.
     """
+
+    args: argparse.Namespace
+    trainer: PolicyTrainer
+    source: Union[EmbeddedRollouts, DumpRollouts]
+    engine: Optional[RolloutEngine]
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def setup(args: argparse.Namespace, device: torch.device) -> TrainingRun:
+    """Builds the policy, the optimizer, the trainer and the rollout source (the engine, or the dump)."""
     args = complete_args(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
@@ -413,7 +432,7 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     if global_batch % dp_size or per_rank % args.micro_batch_size:
         raise ValueError(f"--global-batch-size {global_batch} must be a multiple of --micro-batch-size x DP "
                          f"= {args.micro_batch_size * dp_size}")
-    if global_batch % args.rollouts_per_prompt or per_rank % args.rollouts_per_prompt:
+    if per_rank % args.rollouts_per_prompt:
         raise ValueError(f"each data-parallel rank's {per_rank} samples must be whole groups of "
                          f"--rollouts-per-prompt {args.rollouts_per_prompt}")
 
@@ -429,30 +448,41 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         replay_mode=replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
         temperature=args.rollout_temperature))
     if args.rollout_dump is not None:
-        source = DumpRollouts(args, global_batch, per_rank)
-    else:
-        engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
-        engine = RolloutEngine(build_model(args, engine_config, device), chunks, spec, rows,
-                               SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
-                               args.rollout_staleness)
-        source = EmbeddedRollouts(args, engine, per_rank)
+        return TrainingRun(args, trainer, DumpRollouts(args, global_batch, per_rank), None)
+    # Built after the policy, so that the policy's initialisation does not depend on the mode.
+    engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
+    engine = RolloutEngine(build_model(args, engine_config, device), chunks, spec, rows,
+                           SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
+                           args.rollout_staleness)
+    return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
 
+
+def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list[dict]:
+    """Runs iterations ``run.iteration + 1`` to ``--train-iters``, logging every ``--log-interval``.
+
+    Returns:
+        The metrics of every iteration run (the same on every rank).
+    """
+    args = run.args
+    moe_layers = run.trainer.spec.moe_layer_numbers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
     metrics_file = MetricsFile(args.metrics_file if logging_rank else None)
-    history, consumed, window_tokens = [], 0, 0
+    history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:
-        for iteration in range(1, args.train_iters + 1):
-            batch = source.batch(iteration)
-            sums = trainer.step(batch.samples, batch.advantages, batch.rewards)
-            consumed += int(sums["samples"][0])
+        while run.iteration < args.train_iters:
+            iteration = run.iteration + 1
+            batch = run.source.batch(iteration)
+            sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
+            run.iteration = iteration
+            run.consumed_samples += int(sums["samples"][0])
             window_tokens += int(sums["tokens"][0])
             now = time.perf_counter()
             elapsed = now - start
             metrics = iteration_metrics(
-                sums, spec.moe_layer_numbers, iteration=iteration, consumed_samples=consumed,
+                sums, moe_layers, iteration=iteration, consumed_samples=run.consumed_samples,
                 tokens_per_s=window_tokens / max(now - window_start, 1e-9), elapsed_s=elapsed,
-                eta_s=elapsed / iteration * (args.train_iters - iteration))
+                eta_s=elapsed / (iteration - first) * (args.train_iters - iteration))
             history.append(metrics)
             if iteration % args.log_interval == 0:
                 window_tokens, window_start = 0, now
@@ -462,6 +492,11 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     finally:
         metrics_file.close()
     return history
+
+
+def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
+    """:func:`setup`, then :func:`run_iterations`; returns every iteration's metrics."""
+    return run_iterations(setup(args, device), log)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -35,9 +35,8 @@ from megatron_r3.grads import reduce_grads
 from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
 from megatron_r3.policy_loss import clipped_policy_loss_sums
 from megatron_r3.replica_comm import is_replica_lead
-from megatron_r3.rollout_batch import RolloutMicrobatch, logprob_mismatch_sums
+from megatron_r3.rollout_batch import RolloutMicrobatch, RowLayout, logprob_mismatch_sums
 from megatron_r3.rollout_dump import RolloutSample
-from megatron_r3.rollout_engine import RowLayout
 from megatron_r3.routes import RolloutRoutes
 from megatron_r3.routing_agreement import routing_agreement_counts
 from megatron_r3.train_metrics import zero_sums

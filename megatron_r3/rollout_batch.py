@@ -1,4 +1,4 @@
-"""Rollout samples -> one rank's packed (THD) microbatch, and train/rollout log-prob mismatch.
+"""Rollout samples -> one rank's packed (THD) microbatches, and train/rollout log-prob mismatch.
 
 A microbatch is a few rollout samples packed into one row (b = 1). Each sample is
 padded to Megatron's alignment (``2*cp``, times ``tp`` under sequence parallelism)
@@ -7,6 +7,10 @@ stages exchange activations of a fixed shape. This context-parallel rank keeps
 chunks ``r`` and ``2*cp-1-r`` of every sample (Megatron's zigzag), the order in
 which :class:`~megatron_r3.plan.RoutingPlan` (built with the same ``padded_lens``)
 lays out the routes.
+
+:class:`RowLayout` packs a rank's samples ``micro_batch_size`` at a time and
+builds the routing plans of each microbatch; the rollout engine and the trainer
+share it, so both run exactly the same rows.
 
 Position ``t`` of a sample predicts token ``t + 1``: its label, loss mask,
 rollout log-prob and advantage are those of token ``t + 1``; the last position
@@ -23,7 +27,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_r3.context_parallel import thd_zigzag_index
-from megatron_r3.plan import RankLayout, padded_lengths
+from megatron_r3.moe_layers import PipelineSplit
+from megatron_r3.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
 from megatron_r3.rollout_dump import RolloutSample
 
 
@@ -135,6 +140,43 @@ def pack_rollout_microbatch(
         padded_lens=[int(p) for p in padded],
         seq_length=seq_length,
     )
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a rank packs samples into the rows the model runs (shared by engine and trainer).
+
+    Attributes:
+        rank: This rank's place in the layout (TP/SP, CP, PP rank).
+        split: The model's pipeline split (which chunk builds which layers).
+        seq_length: Length of a packed row.
+        micro_batch_size: Samples per row.
+        device: Where the rows go.
+    """
+
+    rank: RankLayout
+    split: PipelineSplit
+    seq_length: int
+    micro_batch_size: int
+    device: torch.device
+
+    def microbatches(self, samples: Sequence[RolloutSample],
+                     advantages: Optional[Sequence[float]] = None) -> list[RolloutMicrobatch]:
+        """``samples`` packed ``micro_batch_size`` at a time, in order."""
+        if len(samples) % self.micro_batch_size:
+            raise ValueError(f"{len(samples)} samples do not make whole microbatches of "
+                             f"--micro-batch-size {self.micro_batch_size}")
+        out = []
+        for first in range(0, len(samples), self.micro_batch_size):
+            span = slice(first, first + self.micro_batch_size)
+            out.append(pack_rollout_microbatch(samples[span], self.rank, self.seq_length, self.device,
+                                               None if advantages is None else advantages[span]))
+        return out
+
+    def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
+        """The routing plan of each of this rank's model chunks for ``batch``."""
+        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=moe_layer_numbers, split=self.split,
+                           qkv_format="thd", padded_lens=batch.padded_lens)
 
 
 MISMATCH_METRICS = ("logp_abs_diff", "logp_sq_diff", "k3_kl", "frac_abs_gt_ln2", "frac_abs_gt_ln5")

@@ -39,15 +39,13 @@ from megatron.core import parallel_state
 
 from megatron_r3.adapters import RoutingSpec, from_megatron_recorded
 from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
-from megatron_r3.moe_layers import PipelineSplit
-from megatron_r3.plan import RankLayout, chunk_plans
 from megatron_r3.replica_comm import (
     broadcast_from_last_stage,
     gather_objects_in_replica,
     gather_vocab_parallel,
     sum_over_context_parallel,
 )
-from megatron_r3.rollout_batch import RolloutMicrobatch, pack_rollout_microbatch
+from megatron_r3.rollout_batch import RowLayout
 from megatron_r3.rollout_dump import RolloutSample
 from megatron_r3.routes import RolloutRoutes
 from megatron_r3.weight_lag import LaggedWeights
@@ -75,42 +73,6 @@ class SamplingParams:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How a rank packs samples into the rows the model runs (shared by engine and trainer).
-
-    Attributes:
-        rank: This rank's place in the layout (TP/SP, CP, PP rank).
-        split: The model's pipeline split (which chunk builds which layers).
-        seq_length: Length of a packed row.
-        micro_batch_size: Samples per row.
-        device: Where the rows go.
-    """
-
-    rank: RankLayout
-    split: PipelineSplit
-    seq_length: int
-    micro_batch_size: int
-    device: torch.device
-
-    def microbatches(self, samples: Sequence[RolloutSample], advantages=None) -> list[RolloutMicrobatch]:
-        """``samples`` packed ``micro_batch_size`` at a time, in order."""
-        if len(samples) % self.micro_batch_size:
-            raise ValueError(f"{len(samples)} samples do not make whole microbatches of "
-                             f"--micro-batch-size {self.micro_batch_size}")
-        out = []
-        for first in range(0, len(samples), self.micro_batch_size):
-            span = slice(first, first + self.micro_batch_size)
-            out.append(pack_rollout_microbatch(samples[span], self.rank, self.seq_length, self.device,
-                                               None if advantages is None else advantages[span]))
-        return out
-
-    def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]):
-        """The routing plan of each of this rank's model chunks for ``batch``."""
-        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=moe_layer_numbers, split=self.split,
-                           qkv_format="thd", padded_lens=batch.padded_lens)
 
 
 class RolloutEngine:
