@@ -125,9 +125,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--rollout-staleness", type=int, default=0,
                     help="optimizer steps the rollout engine's weights trail the policy's")
     rl.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip epsilon of the importance ratio")
-    rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default="r3",
-                    help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3) or those "
-                         "of the trainer's own old-log-prob pass (r2)")
+    rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default=None,
+                    help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3, the default) "
+                         "or those of the trainer's own old-log-prob pass (r2)")
     rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
                     help="one more forward-only pass per iteration in the other routing mode, to report the "
                          "mismatch with and without replay (default: on without --rollout-dump)")
@@ -135,6 +135,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.r3_compare is None:
         args.r3_compare = args.rollout_dump is None
+    if args.routing_replay_mode is not None and not args.moe_enable_routing_replay:
+        parser.error(f"--routing-replay-mode {args.routing_replay_mode} needs --moe-enable-routing-replay")
+    if args.moe_enable_routing_replay and args.routing_replay_mode is None:
+        args.routing_replay_mode = "r3"
     return args
 
 
@@ -443,9 +447,8 @@ def setup(args: argparse.Namespace, device: torch.device) -> TrainingRun:
                      args.micro_batch_size, device)
     optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
                                   weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    replay_mode = args.routing_replay_mode if args.moe_enable_routing_replay else None
     trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
-        replay_mode=replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
+        replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
         temperature=args.rollout_temperature))
     if args.rollout_dump is not None:
         return TrainingRun(args, trainer, DumpRollouts(args, global_batch, per_rank), None)
