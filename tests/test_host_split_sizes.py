@@ -132,8 +132,9 @@ HOST_COUNT_LAYOUTS = [
 @pytest.mark.parametrize("layout", HOST_COUNT_LAYOUTS, ids=lambda layout: layout.name)
 def test_host_counts_give_bit_identical_losses_and_grads(layout):
     step = Step(model=MODEL)
-    device = run_workers(counting_worker, layout.world_size, layout, step, False, backend="gloo")
-    host = run_workers(counting_worker, layout.world_size, layout, step, True, backend="gloo")
+    # NCCL with a GPU per rank where there are enough GPUs, gloo otherwise.
+    device = run_workers(counting_worker, layout.world_size, layout, step, False)
+    host = run_workers(counting_worker, layout.world_size, layout, step, True)
     assert sum(r["device_counting_calls"] for r in device) > 0
     assert all(r["device_counting_calls"] == 0 for r in host)
     assert torch.equal(full_token_losses(host, DATA.num_tokens, atol=0), full_token_losses(device, DATA.num_tokens))
