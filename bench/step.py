@@ -20,7 +20,8 @@ warnings, plus event/stream/device synchronisations made from Python) and the st
 time: the median over ``--rounds`` interleaved rounds (each round runs every variant
 ``--steps`` times, in rotated order) of the round's mean, with the min and max. It also
 prints the host's issue time (when the step call returns, before the device finishes)
-and the device's kernel time of one step (profiler), so that one can see whether the
+and the device's compute time of one step (its kernels, NCCL's excluded; profiler), so
+that one can see whether the
 configuration is one where host syncs matter: they cost most when the two are alike.
 """
 
@@ -66,8 +67,8 @@ def parse_args(argv=None):
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--moe-router-topk", type=int, default=2)
     parser.add_argument("--moe-ffn-hidden-size", type=int, default=1024)
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=9)
@@ -250,17 +251,19 @@ def counted_host_syncs(counts: dict):
             for (owner, name), original in zip(patched, originals):
                 setattr(owner, name, original)
             torch.cuda.synchronize = device_sync
-    counts["sync_debug"] = sum("synchroniz" in str(w.message) for w in caught)
+    counts["sync_debug"] = sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def kernel_ms(fn) -> float:
-    """Device kernel time of one call of fn (profiler), in ms."""
+    """Device compute time of one call of fn, in ms: its kernels' time (profiler), NCCL's
+    excluded (a collective's kernel also counts the time it waits for its peers)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.self_device_time_total > 0 and "nccl" not in e.key.lower())
     return total_us / 1e3
 
 
@@ -334,7 +337,7 @@ def render(args, device, syncs, per_round, issue, device_ms) -> str:
         f"rank. {args.rounds} rounds x {args.steps} steps per variant.",
         "",
         "| variant | sync-debug syncs / step | event/stream waits / step | step ms (median) | min..max | "
-        "host issue ms | device kernel ms | vs upstream | vs live |",
+        "host issue ms | device compute ms | vs upstream | vs live |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in VARIANTS:
