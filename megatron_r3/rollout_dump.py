@@ -426,6 +426,8 @@ class RolloutDumpReader:
         ends = np.append(offsets[1:], index_at)
         if n and (offsets[0] != self._records_start or (ends - offsets < _RECORD_HEAD.size + _BODY_HEAD.size).any()):
             raise corrupt("record offsets do not run from the header to the index")
+        if int(num_tokens.max(initial=0)) != stats["max_num_tokens"]:
+            raise corrupt(f"max_num_tokens {stats['max_num_tokens']} is not the longest sample's token count")
         index = RolloutDumpIndex(offsets, num_tokens, end=index_at, from_footer=True)
         return index, RolloutDumpStats(n, int(stats["max_num_tokens"]), stats["min_token_id"], stats["max_token_id"])
 
