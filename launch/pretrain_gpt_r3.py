@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,8 @@ from megatron_r3.rollout_batch import (
     logprob_mismatch_sums,
     pack_rollout_microbatch,
 )
-from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample
+from megatron_r3.rollout_dump import RolloutSample, check_dump_fits
+from megatron_r3.rollout_shards import DataParallelDumpShard
 from megatron_r3.routes import RolloutRoutes
 from megatron_r3.routing_replay import add_routing_replay_args, moe_routing_for_chunk, routing_replay_config_kwargs
 from megatron_r3.transport import PackedRoutes, RouteUploader
@@ -229,26 +230,10 @@ def rank_layout(config: TransformerConfig) -> RankLayout:
     )
 
 
-def samples_forever(path: str) -> Iterator[RolloutSample]:
-    """The dump's samples, read again from the start each time it runs out."""
-    while True:
-        count = 0
-        with RolloutDumpReader(path) as reader:
-            for sample in reader:
-                count += 1
-                yield sample
-        if count == 0:
-            raise ValueError(f"rollout dump {path} holds no samples")
-
-
 def check_dump(path: str, args: argparse.Namespace) -> None:
-    """The dump's routes must describe this model's MoE layers."""
-    with RolloutDumpReader(path) as reader:
-        have = (reader.num_experts, reader.topk, tuple(reader.layer_numbers))
-    want = (args.num_experts, args.moe_router_topk, moe_layer_numbers(args.num_layers, layer_freq(args)))
-    if have != want:
-        raise ValueError(f"rollout dump {path} has routes for (experts, top-k, MoE layers) = {have}; "
-                         f"the model has {want}")
+    """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
+    check_dump_fits(path, num_experts=args.num_experts, topk=args.moe_router_topk,
+                    moe_layer_numbers=_layer_numbers(args), vocab_size=args.vocab_size, seq_length=args.seq_length)
 
 
 @dataclass
@@ -301,11 +286,11 @@ def train(
     optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
                                   weight_decay=args.weight_decay, betas=(0.9, 0.95))
     last_rank = dist.get_rank() == dist.get_world_size() - 1
-    stream = samples_forever(args.rollout_dump)
+    shard = DataParallelDumpShard(args.rollout_dump, dp_rank, dp_size, global_batch)
     history = []
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
-        samples = [next(stream) for _ in range(global_batch)][dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        samples = shard.next_batch()
         per_chunk = [[] for _ in chunks]
         for first in range(0, per_rank, args.micro_batch_size):
             group = samples[first:first + args.micro_batch_size]
@@ -351,6 +336,7 @@ def train(
                 f"{metrics['tokens']} | logp abs diff {metrics['logp_abs_diff']:.6f} | k3 KL "
                 f"{metrics['k3_kl']:.6f} | ratio outside [1/2, 2] {metrics['ratio_outside_frac']:.6f} | "
                 f"elapsed {metrics['elapsed_ms']:.1f} ms")
+    shard.close()
     return history
 
 
