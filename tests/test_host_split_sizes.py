@@ -125,6 +125,7 @@ HOST_COUNT_LAYOUTS = [
     Layout(),  # 8 local experts: the sort by local expert too
     Layout(ep=2, dp=2, recompute="full"),
     Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
+    Layout(tp=2, sp=True, ep=2, etp=2, dp=2),  # expert-TP splits on the host too
     Layout(pp=2, vp=2),
 ]
 

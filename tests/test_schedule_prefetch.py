@@ -1,6 +1,7 @@
-"""Schedules prefetch the next microbatch (patch "pipeline_parallel: schedules let the data iterator prefetch the next microbatch") and PreparedMicrobatches prepares each
-microbatch once, one ahead, for every model chunk: no pipelining, 1F1B, interleaved 1F1B,
-training and forward-only."""
+"""Schedules prefetch the next microbatch (patch "pipeline_parallel: schedules let the data
+iterator prefetch the next microbatch") and PreparedMicrobatches prepares each microbatch once,
+one ahead, for every model chunk: no pipelining, 1F1B, interleaved 1F1B, training and
+forward-only."""
 
 from functools import partial
 
