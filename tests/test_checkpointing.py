@@ -82,13 +82,39 @@ def _rng_snapshot():
     return {"torch": torch.get_rng_state(), **{name: state.clone() for name, state in tracker.items()}}
 
 
-def resume_worker(layout, directory, steps, save_at=None, resume=False):
-    """Trains to ``steps`` on random batches, saving at ``save_at`` or resuming from the checkpoint."""
+class _Killed(Exception):
+    """Stands for the run dying."""
+
+
+def _save_and_die(*args, **kwargs):
+    """save_checkpoint, killed after every rank wrote its shards but before the tracker moved."""
+    real_save = dist_checkpointing.save
+
+    def save_then_die(*save_args, **save_kwargs):
+        real_save(*save_args, **save_kwargs)
+        raise _Killed
+
+    dist_checkpointing.save = save_then_die
+    try:
+        save_checkpoint(*args, **kwargs)
+    except _Killed:
+        pass
+    finally:
+        dist_checkpointing.save = real_save
+
+
+def resume_worker(layout, directory, steps, save_at, crash_at=None, resume=False):
+    """Trains to ``steps`` on random batches (from a checkpoint with ``resume``), saving at
+    ``save_at`` and dying during the save at ``crash_at``."""
     device, config, chunks, optimizer = _setup(layout)
     out = {"losses": {}}
     try:
         start = 0
         if resume:
+            try:
+                load_checkpoint(directory, {"model": chunks}, optimizer, iteration=steps)
+            except FileNotFoundError as error:
+                out["interrupted_iteration"] = str(error)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 start, out["state"] = load_checkpoint(directory, {"model": chunks}, optimizer)
@@ -96,25 +122,34 @@ def resume_worker(layout, directory, steps, save_at=None, resume=False):
             out["rng_at_start"] = _rng_snapshot()
         for step in range(start, steps):
             out["losses"][step] = _train_step(layout, config, chunks, optimizer, _random_batch(), device)
+            args = (directory, step + 1, {"model": chunks}, optimizer, {"consumed_samples": (step + 1) * NUM_SEQS})
             if step + 1 == save_at:
                 out["rng_at_save"] = _rng_snapshot()
-                save_checkpoint(directory, step + 1, {"model": chunks}, optimizer,
-                                {"consumed_samples": (step + 1) * NUM_SEQS})
+                save_checkpoint(*args)
+            if step + 1 == crash_at:
+                _save_and_die(*args)
         out["params"] = _weights(chunks)
+        out["latest"] = latest_iteration(directory)
         return out
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.slow
-def test_resumed_training_is_identical_to_uninterrupted_training(tmp_path):
+def test_resume_after_a_crash_during_a_save_is_identical_to_uninterrupted_training(tmp_path):
+    directory = str(tmp_path)
     layout = Layout(pp=2, vp=2)  # two model chunks per rank: model0, model1
-    whole = run_workers(resume_worker, 2, layout, str(tmp_path), 4, save_at=2)
-    assert latest_iteration(str(tmp_path)) == 2
-    resumed = run_workers(resume_worker, 2, layout, str(tmp_path), 4, resume=True)
+    whole = run_workers(resume_worker, 2, layout, directory, 4, save_at=2, crash_at=4)
+    # Every rank wrote iteration 4, but the run died before the tracker moved: 2 is the last complete one.
+    assert latest_iteration(directory) == 2
+    assert sorted(os.listdir(directory)) == ["iter_0000002", "iter_0000004.saving", TRACKER_FILENAME]
+
+    resumed = run_workers(resume_worker, 2, layout, directory, 4, save_at=4, resume=True)
     exact = not torch.cuda.is_available()
     for rank in range(2):
         a, b = whole[rank], resumed[rank]
+        assert b["interrupted_iteration"] == (f"no checkpoint of iteration 4 in {directory}; complete checkpoints: "
+                                              "iterations [2]")
         assert b["state"] == {"consumed_samples": 8} and b["warnings"] == []
         assert sorted(b["losses"]) == [2, 3]
         for name, state in a["rng_at_save"].items():
@@ -125,6 +160,9 @@ def test_resumed_training_is_identical_to_uninterrupted_training(tmp_path):
         for (shard, value), (shard_b, value_b) in zip(a["params"], b["params"]):
             assert shard == shard_b
             _assert_same(value, value_b, exact, shard.name)
+        assert b["latest"] == 4
+    # Saving iteration 4 again replaced the leftover of the interrupted save.
+    assert sorted(os.listdir(directory)) == ["iter_0000002", "iter_0000004", TRACKER_FILENAME]
 
 
 def _assert_same(a, b, exact, what=""):
@@ -219,3 +257,52 @@ def test_checkpoint_saved_under_ep2_loads_under_another_layout(ep2_checkpoint, l
         err = (stepped[name] - stepped_here[name]).abs().max().item()
         assert err < 1e-5, f"{name}: {err:.3g} away from the step under EP2"
         assert not torch.equal(stepped[name], at_save[name]), f"{name} did not move"
+
+
+def misfit_worker(directory):
+    """Loads the EP2 checkpoint into a model with more experts, then with a model it does not hold."""
+    out = {}
+    _, _, chunks, optimizer = _setup(Layout(), TinyMoE(num_experts=8))
+    try:
+        load_checkpoint(directory, {"model": chunks}, optimizer)
+    except ValueError as error:
+        out["other_shape"] = str(error)
+    parallel_state.destroy_model_parallel()
+    device, config, chunks, optimizer = _setup(Layout())
+    try:
+        load_checkpoint(directory, {"model": chunks, "reference": build_gpt(config, MODEL, seed=3, device=device)},
+                        optimizer)
+    except ValueError as error:
+        out["not_saved"] = str(error)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_that_does_not_fit_the_model_is_refused(ep2_checkpoint):
+    directory, _ = ep2_checkpoint
+    (out,) = run_workers(misfit_worker, 1, directory)
+    path = iteration_dir(directory, 2)
+    assert out["other_shape"] == (f"{path} does not fit: tensor decoder.layers.1.mlp.router.weight has shape "
+                                  "(4, 32) in the checkpoint, (8, 32) in the model")
+    assert out["not_saved"] == f"{path} does not fit: the checkpoint has no tensor reference.embedding.word_embeddings.weight"
+
+
+def test_loading_without_a_checkpoint_is_refused(tmp_path):
+    nowhere = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=f"^no checkpoint in {nowhere}: {TRACKER_FILENAME} is missing "
+                                                r"\(the directory does not exist\)$"):
+        load_checkpoint(nowhere, {"model": []}, None)
+    empty = str(tmp_path)
+    assert latest_iteration(empty) is None
+    with pytest.raises(FileNotFoundError, match=f"^no checkpoint in {empty}: {TRACKER_FILENAME} is missing$"):
+        load_checkpoint(empty, {"model": []}, None)
+    (tmp_path / TRACKER_FILENAME).write_text("7\n")
+    assert latest_iteration(empty) == 7
+    with pytest.raises(FileNotFoundError, match=r"^no checkpoint of iteration 7 in .*; complete checkpoints: "
+                                                r"iterations \[\]$"):
+        load_checkpoint(empty, {"model": []}, None)
+    (tmp_path / TRACKER_FILENAME).write_text("release\n")
+    with pytest.raises(ValueError, match="should hold an iteration number, not 'release'"):
+        latest_iteration(empty)
