@@ -115,14 +115,6 @@ def save_checkpoint(
     """
     if not isinstance(iteration, int) or iteration < 0:
         raise ValueError(f"iteration must be an int >= 0, not {iteration!r}")
-    final = iteration_dir(directory, iteration)
-    staging = final + _STAGING_SUFFIX
-    if dist.get_rank() == 0:
-        # A leftover of an interrupted save of this iteration is incomplete: start afresh.
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    dist.barrier()
-
     model_state = _models_sharded_state_dict(models)
     sharded = {
         _FORMAT_KEY: FORMAT_VERSION,
@@ -135,6 +127,14 @@ def save_checkpoint(
     }
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_state_to_save(optimizer, model_state)
+
+    final = iteration_dir(directory, iteration)
+    staging = final + _STAGING_SUFFIX
+    if dist.get_rank() == 0:
+        # A leftover of an interrupted save of this iteration is incomplete: start afresh.
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
     # Synchronous and not fully parallel: every rank writes its main replicas itself.
     dist_checkpointing.save(sharded, staging, sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
 
@@ -348,21 +348,11 @@ def _optimizer_state_to_save(optimizer: torch.optim.Optimizer, model_state: dict
     params = _optimizer_params(optimizer)
     by_index = _sharded_params(optimizer, model_state)
     per_param = [optimizer.state.get(p, {}) for p in params]
-    tensor_keys = sorted({k for s in per_param for k in s if k != "step"})
-    steps = sorted({float(s.get("step", 0)) for s in per_param})
-    problem = None
-    if len(steps) > 1:
-        problem = f"its parameters are at different steps {steps[:4]} (a parameter skipped a step without gradient)"
-    for i, (param, param_state) in enumerate(zip(params, per_param)):
-        if problem is None and param_state and sorted(k for k in param_state if k != "step") != tensor_keys:
-            problem = f"parameter {by_index[i].key} has state {sorted(param_state)}, others {tensor_keys}"
-        for key in tensor_keys:
-            value = param_state.get(key)
-            if problem is None and not (torch.is_tensor(value) and value.shape == param.shape):
-                problem = f"state {key!r} of {by_index[i].key} is not a tensor shaped like the parameter"
-    summary = (tensor_keys, steps[-1] if steps else 0.0)
-    _raise_on_any_rank(problem, summary, "cannot save the optimizer: ")
-
+    tensor_keys = sorted({key for param_state in per_param for key in param_state if key != "step"})
+    steps = sorted({float(param_state.get("step", 0)) for param_state in per_param})
+    step = steps[-1] if steps else 0.0
+    problem = _unsavable_state(params, per_param, tensor_keys, steps, by_index)
+    _raise_on_any_rank(problem, (tensor_keys, step), "cannot save the optimizer: ")
     state = {}
     if tensor_keys:
         for i, param_state in enumerate(per_param):
@@ -372,9 +362,22 @@ def _optimizer_state_to_save(optimizer: torch.optim.Optimizer, model_state: dict
     return {
         "state": state,
         "tensor_keys": tensor_keys,
-        "step": summary[1],
+        "step": step,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
     }
+
+
+def _unsavable_state(params, per_param, tensor_keys, steps, by_index) -> Optional[str]:
+    """What keeps this rank's optimizer state from being saved as one step plus per-parameter tensors."""
+    if len(steps) > 1:
+        return f"its parameters are at different steps {steps[:4]} (a parameter without gradient skips a step)"
+    for i, (param, param_state) in enumerate(zip(params, per_param)):
+        for key in tensor_keys:
+            if key not in param_state:
+                return f"{by_index[i].key} has no optimizer state {key!r}"
+            if not (torch.is_tensor(param_state[key]) and param_state[key].shape == param.shape):
+                return f"optimizer state {key!r} of {by_index[i].key} is not a tensor shaped like the parameter"
+    return None
 
 
 def _raise_on_any_rank(problem: Optional[str], summary: Any, prefix: str) -> None:
