@@ -35,7 +35,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -51,9 +51,10 @@ from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_l
 from megatron_r3.plan import RankLayout
 from megatron_r3.policy_loss import group_advantages
 from megatron_r3.policy_trainer import REPLAY_MODES, PolicyTrainer, PolicyUpdateSettings
-from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample
 from megatron_r3.rollout_batch import RowLayout
+from megatron_r3.rollout_dump import RolloutSample, check_dump_fits
 from megatron_r3.rollout_engine import RolloutEngine, SamplingParams
+from megatron_r3.rollout_shards import DataParallelDumpShard
 from megatron_r3.routing_replay import add_routing_replay_args, routing_replay_config_kwargs
 from megatron_r3.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, progress_line
@@ -314,26 +315,11 @@ def rank_layout(config: TransformerConfig) -> RankLayout:
     )
 
 
-def samples_forever(path: str) -> Iterator[RolloutSample]:
-    """The dump's samples, read again from the start each time it runs out."""
-    while True:
-        count = 0
-        with RolloutDumpReader(path) as reader:
-            for sample in reader:
-                count += 1
-                yield sample
-        if count == 0:
-            raise ValueError(f"rollout dump {path} holds no samples")
-
-
 def check_dump(path: str, args: argparse.Namespace) -> None:
-    """The dump's routes must describe this model's MoE layers."""
-    with RolloutDumpReader(path) as reader:
-        have = (reader.num_experts, reader.topk, tuple(reader.layer_numbers))
-    want = (args.num_experts, args.moe_router_topk, moe_layer_numbers(args.num_layers, layer_freq(args)))
-    if have != want:
-        raise ValueError(f"rollout dump {path} has routes for (experts, top-k, MoE layers) = {have}; "
-                         f"the model has {want}")
+    """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
+    check_dump_fits(path, num_experts=args.num_experts, topk=args.moe_router_topk,
+                    moe_layer_numbers=moe_layer_numbers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
+                    seq_length=args.seq_length)
 
 
 @dataclass
@@ -371,38 +357,42 @@ class EmbeddedRollouts:
             sample.meta["reward"] = float(reward)
         return RolloutBatch(samples, group_advantages(rewards, self.group), rewards)
 
+    def close(self) -> None:
+        """Nothing to release: the engine lives as long as the run."""
+
 
 class DumpRollouts:
-    """The next ``--global-batch-size`` samples of the dump; this rank trains on its share.
+    """This rank's share of the next ``--global-batch-size`` samples of the dump (``DataParallelDumpShard``).
 
     Advantages come from each sample's metadata: ``advantage`` as given, or ``reward``
-    normalised within groups of ``--rollouts-per-prompt`` consecutive samples.
+    normalised within groups of ``--rollouts-per-prompt`` consecutive samples (a rank's
+    share is whole groups).
     """
 
-    def __init__(self, args: argparse.Namespace, global_batch: int, per_rank: int):
+    def __init__(self, args: argparse.Namespace, global_batch: int):
         check_dump(args.rollout_dump, args)
-        self.stream = samples_forever(args.rollout_dump)
-        self.global_batch = global_batch
+        self.shard = DataParallelDumpShard(args.rollout_dump, parallel_state.get_data_parallel_rank(),
+                                           parallel_state.get_data_parallel_world_size(), global_batch)
         self.group = args.rollouts_per_prompt
-        start = parallel_state.get_data_parallel_rank() * per_rank
-        self.share = slice(start, start + per_rank)
 
     def batch(self, iteration: int) -> RolloutBatch:
-        samples = [next(self.stream) for _ in range(self.global_batch)]
+        records = self.shard.next_records()
+        samples = self.shard.next_batch()
         rewards = None
+        if all("reward" in s.meta for s in samples):
+            rewards = np.asarray([float(s.meta["reward"]) for s in samples])
         if all("advantage" in s.meta for s in samples):
             advantages = np.asarray([float(s.meta["advantage"]) for s in samples])
-            if all("reward" in s.meta for s in samples):
-                rewards = np.asarray([float(s.meta["reward"]) for s in samples])
-        else:
-            missing = next((i for i, s in enumerate(samples) if "reward" not in s.meta), None)
-            if missing is not None:
-                raise ValueError(f"rollout dump sample {missing} of iteration {iteration} has neither 'reward' nor "
-                                 f"'advantage' in its metadata: the policy-gradient loss needs one")
-            rewards = np.asarray([float(s.meta["reward"]) for s in samples])
+        elif rewards is not None:
             advantages = group_advantages(rewards, self.group)
-        return RolloutBatch(samples[self.share], advantages[self.share],
-                            None if rewards is None else rewards[self.share])
+        else:
+            missing = next(r for r, s in zip(records, samples) if "reward" not in s.meta)
+            raise ValueError(f"rollout dump record {missing} (iteration {iteration}) has neither 'reward' nor "
+                             f"'advantage' in its metadata: the policy-gradient loss needs one")
+        return RolloutBatch(samples, advantages, rewards)
+
+    def close(self) -> None:
+        self.shard.close()
 
 
 @dataclass
@@ -451,7 +441,7 @@ def setup(args: argparse.Namespace, device: torch.device) -> TrainingRun:
         replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
         temperature=args.rollout_temperature))
     if args.rollout_dump is not None:
-        return TrainingRun(args, trainer, DumpRollouts(args, global_batch, per_rank), None)
+        return TrainingRun(args, trainer, DumpRollouts(args, global_batch), None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
     engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
     engine = RolloutEngine(build_model(args, engine_config, device), chunks, spec, rows,
@@ -499,7 +489,11 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list
 
 def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
     """:func:`setup`, then :func:`run_iterations`; returns every iteration's metrics."""
-    return run_iterations(setup(args, device), log)
+    run = setup(args, device)
+    try:
+        return run_iterations(run, log)
+    finally:
+        run.source.close()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

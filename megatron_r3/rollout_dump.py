@@ -1,16 +1,18 @@
 """The rollout dump: an append-only, streamable file of rollout samples with their routes.
 
 A launcher writes what the rollout engine produced (tokens, loss mask, rollout
-log-probs, routes) and a trainer streams it back one sample at a time, so
-rollouts larger than memory can be replayed. Layout (little-endian throughout):
+log-probs, routes) and a trainer reads it back one sample at a time, so
+rollouts larger than memory can be replayed: streamed front to back, or one
+record at a time by its index (what a data-parallel rank does, see
+:mod:`megatron_r3.rollout_shards`). Layout (little-endian throughout):
 
 File header, once::
 
-    magic      8 bytes   b"R3DUMP\\x00\\x02"  (format version 2)
+    magic      8 bytes   b"R3DUMP\\x00\\x03"  (format version 3)
     json_len   uint32
     json       utf-8 JSON {"num_experts", "topk", "layer_numbers", "id_dtype"}
 
-Records, repeated to the end of the file::
+Records, one per sample, in the order written::
 
     magic      4 bytes   b"R3RC"
     body_len   uint64
@@ -27,19 +29,50 @@ Records, repeated to the end of the file::
       route_valid uint8   [T]          if bit 1; per token, 0 = no route (the live router
                                        decides the token at every MoE layer)
 
+Footer, written by :meth:`RolloutDumpWriter.close` (a writer that finished)::
+
+    index record:
+      magic      4 bytes   b"R3IX"
+      body_len   uint64
+      crc32      uint32    zlib.crc32 of the body
+      body:
+        json_len    uint32
+        json        utf-8 JSON {"num_samples", "max_num_tokens", "min_token_id", "max_token_id"}
+                    (token ids null when the dump holds no token)
+        offsets     uint64 [N]  byte offset of record i's magic from the start of the file
+        num_tokens  uint32 [N]  T of record i
+    trailer (the last 16 bytes of the file):
+      index_at   uint64    byte offset of the index record's magic
+      magic      8 bytes   b"R3FOOTER"
+
 Every array of a sample is whole in one record; a reader needs one record of
-memory. Routes are validated again when read (a dump may come from elsewhere).
-A dump of another format version (version 1: ``route_valid [T, L]``) is
+memory. Records are checked against their CRC whenever they are read, and routes
+are validated again (a dump may come from elsewhere).
+
+Finding records: a dump with a footer gives its index and stats from two small
+reads at its end. A dump without one (the writer died or is still writing, or a
+version 2 dump) is indexed by a scan of the record heads: per record one 16-byte
+head and the 12-byte body head are read and the rest of the body is sought over,
+one seek and two small reads per record. Its stats (token id range) cost a
+second scan that also reads each record's token ids, 4 bytes per token: about 1%
+of a dump with routes of 48 layers x top-8, about half of one without routes.
+A truncated last record (a writer that died mid-record) is reported, not skipped
+silently, unless the reader is asked to tolerate it; a footer cut short counts
+as no footer.
+
+Versions: version 3 added the footer and left header and records as they were in
+version 2, so a version 2 dump still reads (it is indexed by a scan, like a
+version 3 dump whose writer died). A version 1 dump (``route_valid [T, L]``) is
 rejected, not converted.
-A truncated last record (a writer that died) is reported, not skipped
-silently, unless the reader is asked to tolerate it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator, Optional, Sequence, Union
 
@@ -48,11 +81,15 @@ import numpy as np
 from megatron_r3.routes import RolloutRoutes, id_dtype
 from megatron_r3.validation import validate_routes
 
-FORMAT_VERSION = 2  # 2: route_valid per token; 1: per token and layer
+FORMAT_VERSION = 3  # 3: index and stats in a footer; 2: route_valid per token; 1: per token and layer
+READABLE_VERSIONS = (2, 3)
 MAGIC = b"R3DUMP" + FORMAT_VERSION.to_bytes(2, "big")
 RECORD_MAGIC = b"R3RC"
+INDEX_MAGIC = b"R3IX"
+FOOTER_MAGIC = b"R3FOOTER"
 _RECORD_HEAD = struct.Struct("<4sQI")
 _BODY_HEAD = struct.Struct("<III")
+_TRAILER = struct.Struct("<Q8s")
 _HAS_LOGPROBS, _HAS_ROUTES = 1, 2
 
 
@@ -79,8 +116,53 @@ class RolloutSample:
     meta: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RolloutDumpIndex:
+    """Where each record of a dump lies.
+
+    Attributes:
+        offsets: int64 ``[N]``, byte offset of record i's head from the start of the dump.
+        num_tokens: int64 ``[N]``, token count of sample i.
+        end: Byte offset just past the last record.
+        from_footer: True when read from the footer, False when built by a scan.
+    """
+
+    offsets: np.ndarray
+    num_tokens: np.ndarray
+    end: int
+    from_footer: bool
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def body_length(self, record: int) -> int:
+        """Body bytes of ``record`` (records lie back to back)."""
+        after = self.offsets[record + 1] if record + 1 < len(self.offsets) else self.end
+        return int(after - self.offsets[record]) - _RECORD_HEAD.size
+
+
+@dataclass(frozen=True)
+class RolloutDumpStats:
+    """Dump-wide figures a trainer checks against its model before training.
+
+    Attributes:
+        num_samples: Samples in the dump.
+        max_num_tokens: Tokens of the longest sample (0 for an empty dump).
+        min_token_id, max_token_id: Smallest and largest token id; None when no sample has a token.
+    """
+
+    num_samples: int
+    max_num_tokens: int
+    min_token_id: Optional[int]
+    max_token_id: Optional[int]
+
+
 class RolloutDumpWriter:
-    """Appends samples to a new dump file.
+    """Appends samples to a new dump file; :meth:`close` writes the footer.
+
+    Leaving a ``with`` block by an exception closes the file without a footer: the
+    samples written so far stay readable (by a scan), and the dump does not claim
+    a finished writer.
 
     Args:
         path: File to create (or a binary file object).
@@ -97,18 +179,26 @@ class RolloutDumpWriter:
         self._dtype = id_dtype(num_experts)
         header = json.dumps({"num_experts": self.num_experts, "topk": self.topk,
                              "layer_numbers": list(self.layer_numbers), "id_dtype": self._dtype.name}).encode()
-        self._file.write(MAGIC + struct.pack("<I", len(header)) + header)
+        self._written = 0  # bytes from the start of the dump: the next record's offset
+        self._offsets, self._num_tokens = array("Q"), array("I")
+        self._min_token_id: Optional[int] = None
+        self._max_token_id: Optional[int] = None
+        self._closed = False
+        self._write([MAGIC, struct.pack("<I", len(header)), header])
         self.count = 0
 
     def write(self, sample: RolloutSample) -> None:
         """Appends one sample; raises if its shapes or routes do not fit the header."""
+        if self._closed:
+            raise RolloutDumpError("the rollout dump writer is closed")
         t = len(sample.token_ids)
         where = f"sample {self.count}"
         if np.shape(sample.loss_mask) != (t,):
             raise RolloutDumpError(f"{where}: loss_mask has shape {np.shape(sample.loss_mask)}, tokens {t}")
         if sample.logprobs is not None and np.shape(sample.logprobs) != (t,):
             raise RolloutDumpError(f"{where}: logprobs has shape {np.shape(sample.logprobs)}, tokens {t}")
-        parts = [np.asarray(sample.token_ids, dtype="<i4"), np.asarray(sample.loss_mask, dtype=np.uint8)]
+        token_ids = np.asarray(sample.token_ids, dtype="<i4")
+        parts = [token_ids, np.asarray(sample.loss_mask, dtype=np.uint8)]
         flags = 0
         if sample.logprobs is not None:
             flags |= _HAS_LOGPROBS
@@ -127,16 +217,45 @@ class RolloutDumpWriter:
             parts += [r.ids.astype(self._dtype.newbyteorder("<"), copy=False), r.valid.view(np.uint8)]
         meta = json.dumps(sample.meta).encode()
         body = [_BODY_HEAD.pack(t, flags, len(meta)), meta] + [np.ascontiguousarray(p).tobytes() for p in parts]
-        length = sum(len(b) for b in body)
-        crc = 0
-        for b in body:
-            crc = zlib.crc32(b, crc)
-        self._file.write(_RECORD_HEAD.pack(RECORD_MAGIC, length, crc))
-        for b in body:
-            self._file.write(b)
+        self._offsets.append(self._written)
+        self._num_tokens.append(t)
+        if t:
+            low, high = int(token_ids.min()), int(token_ids.max())
+            self._min_token_id = low if self._min_token_id is None else min(self._min_token_id, low)
+            self._max_token_id = high if self._max_token_id is None else max(self._max_token_id, high)
+        self._write_record(RECORD_MAGIC, body)
         self.count += 1
 
     def close(self) -> None:
+        """Writes the footer (index and stats) and closes the file (flushes one passed in)."""
+        if self._closed:
+            return
+        stats = json.dumps({
+            "num_samples": self.count,
+            "max_num_tokens": max(self._num_tokens, default=0),
+            "min_token_id": self._min_token_id,
+            "max_token_id": self._max_token_id,
+        }).encode()
+        index_at = self._written
+        self._write_record(INDEX_MAGIC, [struct.pack("<I", len(stats)), stats,
+                                         np.asarray(self._offsets, dtype="<u8").tobytes(),
+                                         np.asarray(self._num_tokens, dtype="<u4").tobytes()])
+        self._write([_TRAILER.pack(index_at, FOOTER_MAGIC)])
+        self._release()
+
+    def _write_record(self, magic: bytes, body: list[bytes]) -> None:
+        crc = 0
+        for b in body:
+            crc = zlib.crc32(b, crc)
+        self._write([_RECORD_HEAD.pack(magic, sum(len(b) for b in body), crc)] + body)
+
+    def _write(self, parts: list[bytes]) -> None:
+        for b in parts:
+            self._file.write(b)
+            self._written += len(b)
+
+    def _release(self) -> None:
+        self._closed = True
         if self._owns:
             self._file.close()
         else:
@@ -145,68 +264,210 @@ class RolloutDumpWriter:
     def __enter__(self) -> "RolloutDumpWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._closed:
+            self._release()
 
 
 class RolloutDumpReader:
-    """Streams samples from a dump file, one record in memory at a time.
+    """Reads samples from a dump file: streamed in order, or one by one by record number.
+
+    Iterating streams the records front to back (the file may still be growing);
+    :meth:`read` seeks to one record through :attr:`index`. Either way one record
+    is in memory at a time, and its CRC is checked.
 
     Args:
-        path: The dump (or a binary file object positioned at its start).
+        path: The dump (or a seekable binary file object positioned at its start).
         allow_truncated_tail: Stop quietly at a truncated last record instead of raising.
 
     Attributes:
+        name: The path, or the file object's name, for messages.
+        version: The dump's format version.
         num_experts, topk, layer_numbers: From the header.
     """
 
     def __init__(self, path: Union[str, BinaryIO], *, allow_truncated_tail: bool = False):
         self._owns = isinstance(path, (str, bytes)) or hasattr(path, "__fspath__")
         self._file = open(path, "rb") if self._owns else path
+        self.name = str(path) if self._owns else str(getattr(path, "name", "<stream>"))
         self.allow_truncated_tail = allow_truncated_tail
+        self._base = self._file.tell()
         magic = self._file.read(len(MAGIC))
         if len(magic) != len(MAGIC) or magic[:6] != MAGIC[:6]:
             raise RolloutDumpError(f"not a megatron-r3 rollout dump (magic {magic!r})")
-        version = int.from_bytes(magic[6:], "big")
-        if version != FORMAT_VERSION:
+        self.version = int.from_bytes(magic[6:], "big")
+        if self.version not in READABLE_VERSIONS:
             raise RolloutDumpError(
-                f"rollout dump format version {version} is not supported: this reader reads version "
-                f"{FORMAT_VERSION} (route validity per token); write the dump again"
+                f"rollout dump format version {self.version} is not supported: this reader reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (route validity per token); write the dump again"
             )
         (json_len,) = struct.unpack("<I", self._read_exact(4, "header"))
         header = json.loads(self._read_exact(json_len, "header"))
+        self._records_start = len(MAGIC) + 4 + json_len
         self.num_experts = int(header["num_experts"])
         self.topk = int(header["topk"])
         self.layer_numbers = tuple(header["layer_numbers"])
         self._dtype = np.dtype(header["id_dtype"]).newbyteorder("<")
         if np.dtype(header["id_dtype"]) != id_dtype(self.num_experts):
             raise RolloutDumpError(f"header id_dtype {header['id_dtype']} does not fit {self.num_experts} experts")
+        self._index: Optional[RolloutDumpIndex] = None
+        self._stats: Optional[RolloutDumpStats] = None
+
+    @property
+    def index(self) -> RolloutDumpIndex:
+        """Record offsets and token counts: from the footer, else from a scan of the record heads."""
+        if self._index is None:
+            footer = self._read_footer()
+            if footer is not None:
+                self._index, self._stats = footer
+            else:
+                self._index = self._scan(with_token_ids=False)[0]
+        return self._index
+
+    @property
+    def stats(self) -> RolloutDumpStats:
+        """Sample count, longest sample and token id range: from the footer, else from a scan."""
+        if self._stats is None and not self.index.from_footer:  # a footer gives both at once
+            self._index, self._stats = self._scan(with_token_ids=True)
+        return self._stats
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def read(self, record: int) -> RolloutSample:
+        """Sample ``record`` (0-based), read with one seek; its neighbours are not touched."""
+        index = self.index
+        if not 0 <= record < len(index):
+            raise IndexError(f"record {record} is outside rollout dump {self.name} of {len(index)} samples")
+        offset, length = int(index.offsets[record]), index.body_length(record)
+        self._file.seek(self._base + offset)
+        head = self._file.read(_RECORD_HEAD.size)
+        if len(head) < _RECORD_HEAD.size:
+            raise RolloutDumpError(f"record {record}: truncated at offset {offset}, where the index has it")
+        magic, body_len, crc = _RECORD_HEAD.unpack(head)
+        if magic != RECORD_MAGIC or body_len != length:
+            raise RolloutDumpError(f"record {record}: the index has a {length}-byte record at offset {offset}; "
+                                   f"the file has magic {magic!r} and {body_len} bytes there")
+        body = self._file.read(length)
+        if len(body) < length:
+            raise RolloutDumpError(f"record {record}: truncated at offset {offset}, where the index has it")
+        return self._decode(self._checked(body, crc, record), record)
 
     def __iter__(self) -> Iterator[RolloutSample]:
-        index = 0
+        position, record = self._records_start, 0
         while True:
+            self._file.seek(self._base + position)
             head = self._file.read(_RECORD_HEAD.size)
-            if not head:
+            if not head or self._is_index(head[:4]):
                 return
             if len(head) < _RECORD_HEAD.size:
-                if self._truncated(index):
+                if self._truncated(record):
                     return
             magic, length, crc = _RECORD_HEAD.unpack(head)
             if magic != RECORD_MAGIC:
-                raise RolloutDumpError(f"record {index}: bad record magic {magic!r}")
+                raise RolloutDumpError(f"record {record}: bad record magic {magic!r}")
             body = self._file.read(length)
             if len(body) < length:
-                if self._truncated(index):
+                if self._truncated(record):
                     return
-            if zlib.crc32(body) != crc:
-                raise RolloutDumpError(f"record {index}: CRC mismatch (corrupt file)")
-            yield self._decode(memoryview(body), index)
-            index += 1
+            yield self._decode(self._checked(body, crc, record), record)
+            position += _RECORD_HEAD.size + length
+            record += 1
 
-    def _truncated(self, index: int) -> bool:
+    def _is_index(self, magic: bytes) -> bool:
+        """The index record ends the samples (version 3 and later)."""
+        return magic == INDEX_MAGIC and self.version >= 3
+
+    def _truncated(self, record: int) -> bool:
         if self.allow_truncated_tail:
             return True
-        raise RolloutDumpError(f"record {index}: truncated (the writer did not finish it)")
+        raise RolloutDumpError(f"record {record}: truncated (the writer did not finish it)")
+
+    @staticmethod
+    def _checked(body: bytes, crc: int, record: int) -> memoryview:
+        if zlib.crc32(body) != crc:
+            raise RolloutDumpError(f"record {record}: CRC mismatch (corrupt file)")
+        return memoryview(body)
+
+    def _size(self) -> int:
+        return self._file.seek(0, io.SEEK_END) - self._base
+
+    def _read_footer(self) -> Optional[tuple[RolloutDumpIndex, RolloutDumpStats]]:
+        """Index and stats from the footer; None when there is none (the writer did not finish)."""
+        size = self._size()
+        if self.version < 3 or size < self._records_start + _RECORD_HEAD.size + _TRAILER.size:
+            return None
+        self._file.seek(self._base + size - _TRAILER.size)
+        index_at, magic = _TRAILER.unpack(self._file.read(_TRAILER.size))
+        if magic != FOOTER_MAGIC:
+            return None
+
+        def corrupt(why: str) -> RolloutDumpError:
+            return RolloutDumpError(f"rollout dump {self.name}: corrupt footer: {why}")
+
+        if not self._records_start <= index_at <= size - _TRAILER.size - _RECORD_HEAD.size:
+            raise corrupt(f"index offset {index_at} lies outside the file of {size} bytes")
+        self._file.seek(self._base + index_at)
+        magic, length, crc = _RECORD_HEAD.unpack(self._file.read(_RECORD_HEAD.size))
+        if magic != INDEX_MAGIC or index_at + _RECORD_HEAD.size + length + _TRAILER.size != size:
+            raise corrupt(f"no index record of the right length at offset {index_at}")
+        body = self._file.read(length)
+        if zlib.crc32(body) != crc:
+            raise corrupt("CRC mismatch")
+        (json_len,) = struct.unpack_from("<I", body)
+        stats = json.loads(body[4 : 4 + json_len])
+        n = int(stats["num_samples"])
+        if len(body) != 4 + json_len + 12 * n:
+            raise corrupt(f"the index body of {len(body)} bytes does not hold {n} records")
+        offsets = np.frombuffer(body, dtype="<u8", count=n, offset=4 + json_len).astype(np.int64)
+        num_tokens = np.frombuffer(body, dtype="<u4", count=n, offset=4 + json_len + 8 * n).astype(np.int64)
+        ends = np.append(offsets[1:], index_at)
+        if n and (offsets[0] != self._records_start or (ends - offsets < _RECORD_HEAD.size + _BODY_HEAD.size).any()):
+            raise corrupt("record offsets do not run from the header to the index")
+        if int(num_tokens.max(initial=0)) != stats["max_num_tokens"]:
+            raise corrupt(f"max_num_tokens {stats['max_num_tokens']} is not the longest sample's token count")
+        index = RolloutDumpIndex(offsets, num_tokens, end=index_at, from_footer=True)
+        return index, RolloutDumpStats(n, int(stats["max_num_tokens"]), stats["min_token_id"], stats["max_token_id"])
+
+    def _scan(self, *, with_token_ids: bool) -> tuple[RolloutDumpIndex, Optional[RolloutDumpStats]]:
+        """Index (and, reading every record's token ids, stats) from the record heads, seeking over bodies."""
+        size = self._size()
+        offsets, num_tokens = array("q"), array("q")
+        low = high = None
+        position, record = self._records_start, 0
+        while position < size:
+            self._file.seek(self._base + position)
+            head = self._file.read(_RECORD_HEAD.size)
+            if self._is_index(head[:4]):
+                break
+            if len(head) < _RECORD_HEAD.size:
+                self._truncated(record)
+                break
+            magic, length, _ = _RECORD_HEAD.unpack(head)
+            if magic != RECORD_MAGIC:
+                raise RolloutDumpError(f"record {record}: bad record magic {magic!r}")
+            if position + _RECORD_HEAD.size + length > size:
+                self._truncated(record)
+                break
+            t, _, meta_len = _BODY_HEAD.unpack(self._read_exact(_BODY_HEAD.size, f"record {record}"))
+            if _BODY_HEAD.size + meta_len + 4 * t > length:
+                raise RolloutDumpError(f"record {record}: {t} tokens do not fit its {length}-byte body")
+            if with_token_ids and t:
+                self._file.seek(meta_len, io.SEEK_CUR)
+                ids = np.frombuffer(self._read_exact(4 * t, f"record {record}"), dtype="<i4")
+                low = int(ids.min()) if low is None else min(low, int(ids.min()))
+                high = int(ids.max()) if high is None else max(high, int(ids.max()))
+            offsets.append(position)
+            num_tokens.append(t)
+            position += _RECORD_HEAD.size + length
+            record += 1
+        index = RolloutDumpIndex(np.asarray(offsets, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64),
+                                 end=position, from_footer=False)
+        if not with_token_ids:
+            return index, None
+        return index, RolloutDumpStats(record, int(index.num_tokens.max(initial=0)), low, high)
 
     def _decode(self, body: memoryview, index: int) -> RolloutSample:
         t, flags, meta_len = _BODY_HEAD.unpack_from(body)
@@ -252,3 +513,63 @@ class RolloutDumpReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_dump_fits(
+    dump: Union[str, RolloutDumpReader],
+    *,
+    num_experts: int,
+    topk: int,
+    moe_layer_numbers: Sequence[int],
+    vocab_size: int,
+    seq_length: int,
+) -> RolloutDumpStats:
+    """Refuses a dump that does not fit the model, before training; returns its stats.
+
+    Checks the header's routes (MoE layer numbers, experts, top-k) and the dump's
+    stats (at least one sample, token ids in ``[0, vocab_size)``, no sample longer
+    than ``seq_length``). The stats come from the footer when there is one (no
+    sample is read), else from a scan that reads every record's token ids (see
+    the module docstring for the cost).
+
+    Args:
+        dump: Path of the dump, or an open reader.
+        num_experts, topk: The model's ``--num-experts`` and ``--moe-router-topk``.
+        moe_layer_numbers: The model's MoE layer numbers (global, 1-based).
+        vocab_size: The model's ``--vocab-size``.
+        seq_length: The model's ``--seq-length``: a sample must fit one row.
+
+    Raises:
+        RolloutDumpError: naming every field that does not fit, with the dump's and the model's value.
+    """
+    reader = RolloutDumpReader(dump) if isinstance(dump, str) or hasattr(dump, "__fspath__") else dump
+    try:
+        layers = tuple(int(n) for n in moe_layer_numbers)
+        problems = []
+        if tuple(reader.layer_numbers) != layers:
+            problems.append(f"MoE layers: the dump holds routes for MoE layers {tuple(reader.layer_numbers)}, "
+                            f"the model's MoE layers are {layers}")
+        if reader.num_experts != num_experts:
+            problems.append(f"experts: the dump holds routes over {reader.num_experts} experts, "
+                            f"the model's --num-experts is {num_experts}")
+        if reader.topk != topk:
+            problems.append(f"top-k: the dump holds {reader.topk} experts per token, "
+                            f"the model's --moe-router-topk is {topk}")
+        stats = reader.stats
+        if stats.num_samples == 0:
+            problems.append("samples: the dump holds no samples, training needs at least one")
+        if stats.max_token_id is not None and stats.max_token_id >= vocab_size:
+            problems.append(f"vocab: the dump holds token id {stats.max_token_id}, "
+                            f"the model's --vocab-size is {vocab_size}")
+        if stats.min_token_id is not None and stats.min_token_id < 0:
+            problems.append(f"vocab: the dump holds token id {stats.min_token_id}, token ids are >= 0")
+        if stats.max_num_tokens > seq_length:
+            longest = int(np.argmax(reader.index.num_tokens))
+            problems.append(f"seq-length: sample {longest} has {stats.max_num_tokens} tokens, "
+                            f"the model's --seq-length is {seq_length}")
+        if problems:
+            raise RolloutDumpError(f"rollout dump {reader.name} does not fit the model: " + "; ".join(problems))
+        return stats
+    finally:
+        if reader is not dump:
+            reader.close()

@@ -53,6 +53,7 @@ def moe_routing_for_chunk(
     expert_ids: Optional[torch.Tensor] = None,
     layer_numbers: Optional[Sequence[int]] = None,
     values_checked: bool = False,
+    host_tokens_per_expert: Optional[torch.Tensor] = None,
 ) -> MoERouting:
     """A MoERouting for one microbatch on ``model_chunk``.
 
@@ -65,6 +66,10 @@ def moe_routing_for_chunk(
         values_checked: the ids were validated on the host before upload (true of routes
             from :class:`megatron_r3.transport.RouteUploader`): skip the model's value check
             and its device sync.
+        host_tokens_per_expert: int64 CPU ``[tp_ep_size, len(layer_numbers), num_experts]``
+            token counts of every rank of the expert tensor-and-model-parallel group, when
+            every token replays a route (:mod:`megatron_r3.expert_counts`): the alltoall
+            dispatcher then takes its split sizes from the host, with no device sync.
     """
     chunk_layers = moe_layer_numbers(model_chunk)
     if expert_ids is not None and layer_numbers is not None:
@@ -75,13 +80,18 @@ def moe_routing_for_chunk(
                 raise ValueError(
                     f"routes cover MoE layers {layer_numbers}; this chunk also needs {missing}"
                 )
-            rows = torch.tensor(
-                [layer_numbers.index(n) for n in chunk_layers],
-                dtype=torch.long,
-                device=expert_ids.device,
+            rows = [layer_numbers.index(n) for n in chunk_layers]
+            expert_ids = expert_ids.index_select(
+                0, torch.tensor(rows, dtype=torch.long, device=expert_ids.device)
             )
-            expert_ids = expert_ids.index_select(0, rows)
-    return MoERouting(layer_numbers=chunk_layers, expert_ids=expert_ids, values_checked=values_checked)
+            if host_tokens_per_expert is not None:
+                host_tokens_per_expert = host_tokens_per_expert[:, rows]
+    return MoERouting(
+        layer_numbers=chunk_layers,
+        expert_ids=expert_ids,
+        values_checked=values_checked,
+        host_tokens_per_expert=host_tokens_per_expert,
+    )
 
 
 def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -236,9 +236,17 @@ def test_tokens_without_routes_train_like_live_routing(tmp_path):
 def test_dump_for_another_model_is_refused(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
     other = [f if f != "0,1,0,1" else "1" for f in DUMP_FLAGS]
-    with pytest.raises(WorkerError, match=r"has routes for \(experts, top-k, MoE layers\) = \(4, 2, \(2, 4\)\); "
-                                          r"the model has \(4, 2, \(1, 2, 3, 4\)\)"):
+    with pytest.raises(WorkerError, match=r"does not fit the model: MoE layers: the dump holds routes for MoE "
+                                          r"layers \(2, 4\), the model's MoE layers are \(1, 2, 3, 4\)"):
         run_workers(train_worker, 1, other + ["--rollout-dump", dump, "--train-iters", "1"], backend="gloo")
+
+
+def test_dump_with_tokens_the_model_cannot_take_is_refused(tmp_path):
+    dump = write_dump(tmp_path / "rollouts.r3dump")  # token ids up to 63, samples of 9-40 tokens
+    with pytest.raises(WorkerError, match=r"does not fit the model: vocab: the dump holds token id \d+, the model's "
+                                          r"--vocab-size is 8; seq-length: sample \d+ has \d+ tokens, the model's "
+                                          r"--seq-length is 8"):
+        run(dump, 1, "--vocab-size", "8", "--seq-length", "8", iters=1)
 
 
 def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
@@ -258,7 +266,7 @@ def test_dump_without_rewards_is_refused(tmp_path):
         for sample in reader:
             sample.meta = {}
             writer.write(sample)
-    with pytest.raises(WorkerError, match="sample 0 of iteration 1 has neither 'reward' nor 'advantage'"):
+    with pytest.raises(WorkerError, match=r"record 0 \(iteration 1\) has neither 'reward' nor 'advantage'"):
         run(bare, 1, iters=1)
 
 

@@ -56,8 +56,10 @@ BSHD_LAYOUTS = [
     Layout(pp=2, last_stage_layers=1),
     Layout(pp=2, vp=2),
     Layout(cp=2),
-    # Expert-TP 1: expert-TP 2 needs uneven all_gather lists, which gloo lacks.
     Layout(tp=2, sp=True, ep=2, etp=1, dp=2),
+    # Expert-TP 2 (Megatron's default under TP 2): experts split over the expert-TP
+    # group, whose ranks all-gather uneven token counts (padded on gloo).
+    Layout(tp=2, sp=True, ep=2, etp=2, dp=2),
     Layout(pp=2, cp=2),
     Layout(pp=2, ep=2, dp=2),
 ]
@@ -72,7 +74,7 @@ THD_LAYOUTS = [
 
 # Linear biases: sharded with column-parallel weights, replicated (and reduced
 # across TP under SP) with row-parallel ones, per expert in MoE layers. Megatron
-# only supports MoE biases with expert-TP 1.
+# only supports MoE biases with expert-TP 1 (TransformerConfig asserts it).
 BIAS_STEP = Step(model=TinyMoE(add_bias_linear=True))
 BIAS_LAYOUTS = [
     Layout(ep=2, dp=2),

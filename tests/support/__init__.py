@@ -15,4 +15,5 @@
 * ``harness``: ``run_layout``, the one-step worker, and the parent-side
   ``full_token_losses`` / ``full_grads`` / ``routes``.
 * ``cpu_rng``: Megatron's RNG tracker on CPU generators.
+* ``counting_file``: ``CountingFile``, an in-memory file counting the bytes read.
 """

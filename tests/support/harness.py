@@ -7,7 +7,8 @@ single-rank run.
 """
 
 import dataclasses
-from typing import Callable
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -34,6 +35,10 @@ class Step:
         forward_step_func: A module-level ``f(data_iterator, model, recorder)``
             (see ``schedule.forward_step``, the default), e.g. one that passes
             replay data from the microbatch to the model.
+        setup: A module-level ``f(config) -> dict`` run on every rank once the
+            parallel state exists and before the schedule (collective set-up, such
+            as process groups); its result is bound to ``forward_step_func`` as
+            keyword arguments.
     """
 
     model: TinyMoE = TinyMoE()
@@ -42,6 +47,7 @@ class Step:
     forward_only: bool = False
     config_overrides: tuple = ()
     forward_step_func: Callable = forward_step
+    setup: Optional[Callable] = None
 
 
 def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
@@ -64,9 +70,10 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
         chunks = build_gpt(config, step.model, step.seed, device)
         microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
-        results = forward_backward(
-            chunks, microbatches, step.forward_only, recorder, step.forward_step_func
-        )
+        forward_step_func = step.forward_step_func
+        if step.setup is not None:
+            forward_step_func = partial(forward_step_func, **step.setup(config))
+        results = forward_backward(chunks, microbatches, step.forward_only, recorder, forward_step_func)
         recorder.remove()
         out = {
             "losses": _local_losses(results),

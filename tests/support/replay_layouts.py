@@ -12,8 +12,11 @@ import contextlib
 import dataclasses
 from functools import partial
 
+import numpy as np
 import torch
+from megatron.core import parallel_state
 
+from megatron_r3.expert_counts import ExpertCountExchange
 from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
 from tests.support.harness import Step, run_layout
 from tests.support.parallel import Layout
@@ -50,19 +53,30 @@ def chunk_expert_ids(chunk, token_index: torch.Tensor, forced: dict) -> torch.Te
 
 
 def replay_forward_step(
-    data_iterator, model, recorder=None, forced=None, sequence_parallel=False, recordings=None
+    data_iterator,
+    model,
+    recorder=None,
+    forced=None,
+    sequence_parallel=False,
+    recordings=None,
+    exchange=None,
 ):
     """The harness's forward step, plus this microbatch's routes as ``moe_routing``.
 
     ``forced=None`` routes live (and only records). Each microbatch's MoERouting is
-    appended to ``recordings`` with the global token id of each router row.
+    appended to ``recordings`` with the global token id of each router row. With an
+    ``exchange`` (:class:`~megatron_r3.expert_counts.ExpertCountExchange`) the routes also
+    carry the host token counts of the expert tensor-and-model-parallel group.
     """
     mb = next(data_iterator)
     token_index = router_token_index(mb, sequence_parallel)
-    expert_ids = None
+    expert_ids = host_counts = None
     if forced is not None:
-        expert_ids = chunk_expert_ids(model, token_index, forced).to(mb.tokens.device)
-    routing = moe_routing_for_chunk(model, expert_ids)
+        expert_ids = chunk_expert_ids(model, token_index, forced)
+        if exchange is not None:
+            (host_counts,) = exchange.gather([_counts(expert_ids, exchange.num_experts)], [len(expert_ids)])
+        expert_ids = expert_ids.to(mb.tokens.device)
+    routing = moe_routing_for_chunk(model, expert_ids, host_tokens_per_expert=host_counts)
     if recordings is not None:
         recordings.append((token_index.cpu(), routing))
     # Only the first stage gets token ids: later stages count their router rows from the
@@ -80,8 +94,25 @@ def replay_forward_step(
     return per_token_loss, partial(loss_func, mb)
 
 
-def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
+def _counts(expert_ids: torch.Tensor, num_experts: int):
+    """Tokens per expert per layer of ``[L, n, k]`` routes, or None if a row has no route."""
+    if (expert_ids < 0).any():
+        return None
+    counts = [torch.bincount(ids.reshape(-1), minlength=num_experts) for ids in expert_ids]
+    return torch.stack(counts).numpy() if counts else np.zeros((0, num_experts), dtype=np.int64)
+
+
+def host_count_exchange(config) -> dict:
+    """``Step.setup``: the forward step's exchange of host token counts."""
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    return {"exchange": ExpertCountExchange(group, config.num_moe_experts)}
+
+
+def run_replay_layout(layout: Layout, data, step: Step, forced: dict, host_counts: bool = False) -> dict:
     """Worker: ``harness.run_layout`` with every microbatch replaying ``forced``.
+
+    With ``host_counts`` each microbatch's routes carry the host token counts (the
+    dispatcher's sync-free path).
 
     Returns what ``run_layout`` returns, plus ``"recorded"``: the routes each
     MoERouting recorded, in ``RouterRecorder.routes`` form.
@@ -99,6 +130,7 @@ def run_replay_layout(layout: Layout, data, step: Step, forced: dict) -> dict:
             sequence_parallel=layout.sp,
             recordings=recordings,
         ),
+        setup=host_count_exchange if host_counts else None,
     )
     out = run_layout(layout, data, replay_step)
     out["recorded"] = _recorded_routes(recordings)

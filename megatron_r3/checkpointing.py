@@ -1,0 +1,441 @@
+"""Checkpoints of model chunks, their optimizer and the run's state, through Megatron's dist_checkpointing.
+
+Layout on disk, as in Megatron-LM::
+
+    DIR/latest_checkpointed_iteration.txt    the last complete checkpoint's iteration
+    DIR/iter_0000010/                        a torch_dist checkpoint (one per saved iteration)
+
+Every rank writes its shards into ``DIR/iter_0000010.saving/``; after all ranks
+are done, rank 0 renames it to ``iter_0000010`` and then replaces the tracker
+file (a temporary file renamed over it). A run killed during a save leaves the
+tracker on the previous complete checkpoint, which is what
+:func:`load_checkpoint` then loads.
+
+Weights are saved through each chunk's ``sharded_state_dict()``: tensors are
+keyed by their global name (layer and expert numbers global, TP/EP slices as
+offsets into the full tensor), so a checkpoint saved under one parallel layout
+(TP, SP, PP, VP, CP, EP, DP) loads under any other. The optimizer's per-parameter
+tensors (AdamW's ``exp_avg`` and ``exp_avg_sq``) are saved the same way, keyed
+like the parameter they belong to (``optimizer.state.exp_avg.<parameter key>``),
+so they follow a layout change too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+)
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+_STAGING_SUFFIX = ".saving"
+_FORMAT_KEY = "megatron_r3_checkpoint_format"
+# Top-level keys of the checkpoint's state dict besides the models'.
+_RESERVED_KEYS = frozenset({_FORMAT_KEY, "iteration", "parallel_layout", "rng_device", "state", "rng_state",
+                            "optimizer"})
+
+
+class RNGStateNotRestoredWarning(UserWarning):
+    """:func:`load_checkpoint` left this rank's RNG states as they were.
+
+    Per-rank RNG states only map back onto the same ranks: the checkpoint was
+    saved under another parallel layout, or on another device type (CUDA vs CPU).
+    """
+
+
+def iteration_dir(directory: str, iteration: int) -> str:
+    """The checkpoint directory of ``iteration`` under ``directory`` (``iter_0000010``)."""
+    return os.path.join(directory, f"iter_{iteration:07d}")
+
+
+def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration of the last complete checkpoint in ``directory``, or ``None`` if there is none.
+
+    Raises:
+        ValueError: the tracker file does not hold an iteration number.
+    """
+    path = os.path.join(directory, TRACKER_FILENAME)
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} should hold an iteration number, not {text!r}") from None
+
+
+def save_checkpoint(
+    directory: str,
+    iteration: int,
+    models: Mapping[str, Sequence[torch.nn.Module]],
+    optimizer: Optional[torch.optim.Optimizer],
+    state: Any,
+) -> str:
+    """Save a checkpoint of ``iteration``; call it on every rank.
+
+    Args:
+        directory: The run's checkpoint directory (created if missing).
+        iteration: The iteration number (``>= 0``); a checkpoint of the same
+            iteration already in ``directory`` is replaced.
+        models: Model chunks by name, e.g. ``{"model": chunks}`` or ``{"model": chunks,
+            "rollout0": lagging_copy}``: each rank's chunks, one per virtual pipeline
+            stage. The tensors of ``"model"`` are keyed like Megatron-LM's; those of
+            any other name are prefixed with ``"<name>."``.
+        optimizer: The optimizer over the parameters of ``models`` (or ``None``).
+            Its per-parameter state must be tensors shaped like the parameter plus
+            ``step``, with one step for all parameters (AdamW when every parameter
+            gets a gradient at every step, as ``megatron_r3.grads.reduce_grads``
+            ensures).
+        state: Any picklable object, e.g. ``{"consumed_samples": ..., "args": args}``;
+            rank 0's is saved. Each rank's RNG states (Python, NumPy, torch CPU,
+            CUDA if available, Megatron's RNG tracker) are saved besides it.
+
+    Returns:
+        The directory of the checkpoint.
+
+    Raises:
+        ValueError: a bad iteration or model name, or optimizer state that cannot
+            be saved (named).
+    """
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be an int >= 0, not {iteration!r}")
+    model_state = _models_sharded_state_dict(models)
+    sharded = {
+        _FORMAT_KEY: FORMAT_VERSION,
+        "iteration": iteration,
+        "parallel_layout": _parallel_layout(),
+        "rng_device": _rng_device(),
+        "state": _common_object(state),
+        "rng_state": _rank_object("rng_state", _rng_states()),
+        **model_state,
+    }
+    if optimizer is not None:
+        sharded["optimizer"] = _optimizer_state_to_save(optimizer, model_state)
+
+    final = iteration_dir(directory, iteration)
+    staging = final + _STAGING_SUFFIX
+    if dist.get_rank() == 0:
+        # A leftover of an interrupted save of this iteration is incomplete: start afresh.
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    dist.barrier()
+    # Synchronous and not fully parallel: every rank writes its main replicas itself.
+    dist_checkpointing.save(sharded, staging, sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+
+    # dist_checkpointing.save ends with a barrier: every rank has written its shards.
+    if dist.get_rank() == 0:
+        _publish(directory, iteration, staging, final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    directory: str,
+    models: Mapping[str, Sequence[torch.nn.Module]],
+    optimizer: Optional[torch.optim.Optimizer],
+    iteration: Optional[int] = None,
+) -> tuple[int, Any]:
+    """Load a checkpoint into ``models`` and ``optimizer``; call it on every rank.
+
+    The parallel layout may differ from the one the checkpoint was saved under:
+    weights and optimizer state are resharded. Each rank's RNG states are
+    restored only under the same layout (TP, PP, CP, EP, expert-TP and DP sizes)
+    and device type; otherwise they are left as they are and a
+    :class:`RNGStateNotRestoredWarning` says so.
+
+    Args:
+        directory: The run's checkpoint directory.
+        models: Model chunks by name, as given to :func:`save_checkpoint`; every
+            tensor must be in the checkpoint with the same full shape. The
+            checkpoint may hold more (e.g. copies not asked for).
+        optimizer: Gets the saved per-parameter state, step and parameter-group
+            hyper-parameters (or ``None``: the optimizer state is not loaded).
+        iteration: The iteration to load; by default the last complete one.
+
+    Returns:
+        ``(iteration, state)``: the loaded iteration and the ``state`` given to
+        :func:`save_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint in ``directory``, or none of ``iteration``.
+        ValueError: the checkpoint does not fit: a tensor it lacks or holds with
+            another shape (named), no optimizer state, another number of
+            parameter groups.
+    """
+    if iteration is None:
+        iteration = latest_iteration(directory)
+        if iteration is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}: {TRACKER_FILENAME} is missing"
+                                    + ("" if os.path.isdir(directory) else " (the directory does not exist)"))
+    path = iteration_dir(directory, iteration)
+    if not _is_complete(path):
+        raise FileNotFoundError(f"no checkpoint of iteration {iteration} in {directory}; complete checkpoints: "
+                                f"iterations {_complete_iterations(directory)}")
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common.get(_FORMAT_KEY) != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {FORMAT_VERSION} "
+                         f"({_FORMAT_KEY} is {common.get(_FORMAT_KEY)!r})")
+
+    model_state = _models_sharded_state_dict(models)
+    sharded = {"state": _common_object(None), **model_state}
+    if optimizer is not None:
+        if "optimizer" not in common:
+            raise ValueError(f"{path} holds no optimizer state (it was saved with optimizer=None)")
+        sharded["optimizer"] = _optimizer_state_to_load(optimizer, model_state, common["optimizer"])
+    same_ranks = common["parallel_layout"] == _parallel_layout() and common["rng_device"] == _rng_device()
+    if same_ranks:
+        sharded["rng_state"] = _rank_object("rng_state", None)
+    _check_tensors_fit(path, sharded)
+
+    loaded = dist_checkpointing.load(sharded, path)
+    for key, (prefix, chunk) in _chunks_by_key(models).items():
+        chunk.load_state_dict({name[len(prefix):]: value for name, value in loaded[key].items()})
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, loaded["optimizer"], common["optimizer"])
+    if same_ranks:
+        _set_rng_states(loaded["rng_state"])
+    else:
+        warnings.warn(
+            f"RNG states not restored from {path}: it was saved under {common['parallel_layout']} on "
+            f"{common['rng_device']}, this run is {_parallel_layout()} on {_rng_device()}; every rank keeps "
+            "its current RNG states", RNGStateNotRestoredWarning, stacklevel=2)
+    return iteration, loaded["state"]
+
+
+def _publish(directory: str, iteration: int, staging: str, final: str) -> None:
+    """Rank 0, once every rank has written: the checkpoint takes its name, then the tracker points to it."""
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    tracker = os.path.join(directory, TRACKER_FILENAME)
+    temporary = tracker + ".tmp"
+    with open(temporary, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, tracker)
+
+
+def _is_complete(path: str) -> bool:
+    # dist_checkpointing writes metadata.json last, after every rank's shards.
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def _complete_iterations(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        if name.startswith("iter_") and name[5:].isdigit() and _is_complete(os.path.join(directory, name)):
+            found.append(int(name[5:]))
+    return sorted(found)
+
+
+def _chunks_by_key(models: Mapping[str, Sequence[torch.nn.Module]]) -> dict[str, tuple[str, torch.nn.Module]]:
+    """Each chunk with its tensor-key prefix, under its state-dict key: ``name`` for a single
+    chunk, ``name0``, ``name1``, ... for virtual pipeline stages (Megatron-LM's ``model0``, ...)."""
+    out = {}
+    for name, chunks in models.items():
+        chunks = list(chunks)
+        if not chunks:
+            raise ValueError(f"models[{name!r}] holds no model chunk")
+        prefix = "" if name == "model" else f"{name}."
+        for i, chunk in enumerate(chunks):
+            key = name if len(chunks) == 1 else f"{name}{i}"
+            if key in _RESERVED_KEYS or key in out:
+                raise ValueError(f"model name {name!r} collides with the checkpoint key {key!r}")
+            out[key] = (prefix, chunk)
+    return out
+
+
+def _models_sharded_state_dict(models: Mapping[str, Sequence[torch.nn.Module]]) -> dict:
+    return {key: chunk.sharded_state_dict(prefix=prefix) for key, (prefix, chunk) in _chunks_by_key(models).items()}
+
+
+def _parallel_layout() -> dict[str, int]:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "etp": parallel_state.get_expert_tensor_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _common_object(data: Any) -> ShardedObject:
+    """One object for all ranks: rank 0's copy is saved, every rank loads it."""
+    return ShardedObject("state", data, (1,), (0,), replica_id=dist.get_rank())
+
+
+def _rank_object(key: str, data: Any) -> ShardedObject:
+    """One object per rank, at the rank's (pp, tp, cp, dp) coordinates (the layout fixes its EP rank)."""
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    offset = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    return ShardedObject(key, data, shape, offset, replica_id=0)
+
+
+def _rng_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rng_states() -> dict:
+    states = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    random.setstate(states["random"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in its state-dict order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sharded_params(optimizer: torch.optim.Optimizer, model_state: dict) -> dict[int, ShardedTensor]:
+    """The model tensor of every optimizer parameter, by the parameter's index."""
+    params = _optimizer_params(optimizer)
+    by_index = get_param_id_to_sharded_param_map(model_state, params)
+    missing = [i for i in range(len(params)) if i not in by_index]
+    if missing:
+        shapes = [tuple(params[i].shape) for i in missing[:3]]
+        raise ValueError(f"the optimizer updates {len(missing)} parameters that no model chunk given in `models` "
+                         f"holds (shapes {shapes}...): pass the chunks it trains")
+    return by_index
+
+
+def _optimizer_state_to_save(optimizer: torch.optim.Optimizer, model_state: dict) -> dict:
+    """Per-parameter tensors as sharded tensors keyed like their parameter; step and hyper-parameters as is."""
+    params = _optimizer_params(optimizer)
+    by_index = _sharded_params(optimizer, model_state)
+    per_param = [optimizer.state.get(p, {}) for p in params]
+    tensor_keys = sorted({key for param_state in per_param for key in param_state if key != "step"})
+    steps = sorted({float(param_state.get("step", 0)) for param_state in per_param})
+    step = steps[-1] if steps else 0.0
+    problem = _unsavable_state(params, per_param, tensor_keys, steps, by_index)
+    _raise_on_any_rank(problem, (tensor_keys, step), "cannot save the optimizer: ")
+    state = {}
+    if tensor_keys:
+        for i, param_state in enumerate(per_param):
+            state[i] = {key: make_sharded_optimizer_tensor(by_index[i], param_state[key],
+                                                           prefix=f"optimizer.state.{key}")
+                        for key in tensor_keys}
+    return {
+        "state": state,
+        "tensor_keys": tensor_keys,
+        "step": step,
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+    }
+
+
+def _unsavable_state(params, per_param, tensor_keys, steps, by_index) -> Optional[str]:
+    """What keeps this rank's optimizer state from being saved as one step plus per-parameter tensors."""
+    if len(steps) > 1:
+        return f"its parameters are at different steps {steps[:4]} (a parameter without gradient skips a step)"
+    for i, (param, param_state) in enumerate(zip(params, per_param)):
+        for key in tensor_keys:
+            if key not in param_state:
+                return f"{by_index[i].key} has no optimizer state {key!r}"
+            if not (torch.is_tensor(param_state[key]) and param_state[key].shape == param.shape):
+                return f"optimizer state {key!r} of {by_index[i].key} is not a tensor shaped like the parameter"
+    return None
+
+
+def _raise_on_any_rank(problem: Optional[str], summary: Any, prefix: str) -> None:
+    """Raise on every rank if one rank has a problem or the ranks' summaries differ (rank 0's is saved)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (problem, summary))
+    for rank, (rank_problem, rank_summary) in enumerate(gathered):
+        if rank_problem is not None:
+            raise ValueError(f"{prefix}rank {rank}: {rank_problem}")
+        if rank_summary != gathered[0][1]:
+            raise ValueError(f"{prefix}rank {rank} has (state keys, step) {rank_summary}, rank 0 {gathered[0][1]}")
+
+
+def _optimizer_state_to_load(optimizer: torch.optim.Optimizer, model_state: dict, saved: dict) -> dict:
+    """Sharded tensors to load the saved per-parameter state into (fresh buffers)."""
+    params = _optimizer_params(optimizer)
+    by_index = _sharded_params(optimizer, model_state)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one "
+                         f"{len(optimizer.param_groups)}")
+    state = {}
+    for i, param in enumerate(params):
+        if saved["tensor_keys"]:
+            state[i] = {key: make_sharded_optimizer_tensor(by_index[i], torch.empty_like(param.detach()),
+                                                           prefix=f"optimizer.state.{key}")
+                        for key in saved["tensor_keys"]}
+    return {"state": state}
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict, saved: dict) -> None:
+    groups, first = [], 0
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        groups.append({**saved_group, "params": list(range(first, first + len(group["params"])))})
+        first += len(group["params"])
+    state = {}
+    if saved["tensor_keys"]:
+        for i in range(first):
+            state[i] = {key: loaded["state"][i][key] for key in saved["tensor_keys"]}
+            state[i]["step"] = torch.tensor(saved["step"], dtype=torch.float32)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_tensors_fit(path: str, sharded: dict) -> None:
+    """Every tensor to load is in the checkpoint with the same full shape; raises on every rank otherwise."""
+    saved = dist_checkpointing.load_tensors_metadata(path)
+    problem = None
+    for tensor in nested_values(sharded):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        if tensor.key not in saved:
+            problem = f"the checkpoint has no tensor {tensor.key}"
+            break
+        if tuple(saved[tensor.key].global_shape) != tuple(tensor.global_shape):
+            problem = (f"tensor {tensor.key} has shape {tuple(saved[tensor.key].global_shape)} in the checkpoint, "
+                       f"{tuple(tensor.global_shape)} in the model")
+            break
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    for rank_problem in gathered:
+        if rank_problem is not None:
+            raise ValueError(f"{path} does not fit: {rank_problem}")

@@ -1,0 +1,303 @@
+"""Turn saved vLLM or SGLang rollouts (JSONL) into a megatron-r3 rollout dump.
+
+    python tools/dump_vllm_rollouts.py --engine vllm --input rollouts.jsonl --out rollouts.r3dump \\
+        --num-layers 48 --moe-layer-freq 1 --num-experts 128 --moe-router-topk 8
+
+The dump is what ``launch/pretrain_gpt_r3.py --rollout-dump`` trains on with
+routing replay. The model flags describe the trainer's model, as the launcher's
+flags do (``--moe-layer-freq``: an int N, or one 0/1 per layer); every route is
+checked against them. One sample per completion: the prompt and the completion's
+tokens, loss mask 1 on the completion, the engine's log-prob of every token (0
+where it gave none), the engine's routes (validated by
+:mod:`megatron_r3.adapters`: the final sampled token and capture gaps have no
+route, dense-layer rows are dropped) and ``meta`` ``{"engine", "request_id",
+"completion_index", "finish_reason", "reward"}``. An RL loop that runs the engine
+in-process uses :mod:`megatron_r3.engine_samples` directly, on the engine's own
+objects; this tool reads the same fields from JSON.
+
+Input, one JSON object per line:
+
+``--engine vllm``: a ``RequestOutput`` (``LLM(..., enable_return_routed_experts=True)``,
+``SamplingParams(logprobs=0)`` or more) as a dict of the same field names::
+
+    {"request_id": "r0",
+     "prompt_token_ids": [151644, 872, ...],
+     "prompt_logprobs": null,
+     "outputs": [{"index": 0,
+                  "token_ids": [9707, 11, ...],
+                  "logprobs": [{"9707": {"logprob": -0.31, "rank": 1, "decoded_token": "Hello"}}, ...],
+                  "routed_experts": {"dtype": "int32", "shape": [T - 1, 48, 8], "base64": "..."},
+                  "finish_reason": "stop",
+                  "reward": 1.0}]}
+
+* a ``Logprob`` is ``{"logprob": float, "rank": int, "decoded_token": str}`` (only
+  ``logprob`` is read), keyed by the token id as a string (JSON keys are strings);
+  ``logprobs`` holds one such dict per generated token, ``prompt_logprobs`` is null
+  or ``[null, {...}, ...]`` with one entry per prompt token;
+* ``routed_experts`` (``np.int32 [T - 1, num_hidden_layers, topk]``, T = prompt +
+  completion tokens) is ``{"dtype", "shape", "base64"}`` (the array's little-endian
+  bytes, base64) or nested lists; null when the engine returned none (refused);
+* ``reward`` (per completion) is optional; any other field is ignored.
+
+:func:`request_output_to_json` writes this form from a real ``RequestOutput``.
+
+``--engine sglang``: one prompt's ``/generate`` result (server
+``--enable-return-routed-experts``, request ``return_logprob=True``,
+``return_routed_experts=True``)::
+
+    {"input_ids": [151644, 872, ...],
+     "response": {"text": "...", "output_ids": [9707, 11, ...],
+                  "meta_info": {"id": "5f1c...", "prompt_tokens": 42, "completion_tokens": 17,
+                                "routed_experts": "<base64 int32 [T - 1, num_layers, topk]>",
+                                "output_token_logprobs": [[-0.31, 9707, null], ...],
+                                "input_token_logprobs": [[null, 151644, null], ...], ...}},
+     "reward": 1.0}
+
+* ``response`` is the server's JSON as returned: one response dict, or the list
+  of ``n`` response dicts it returns for ``sampling_params.n > 1`` (then ``reward``,
+  if given, is a list of ``n``);
+* ``input_ids`` is the request's prompt token ids. SGLang does not return them
+  unless asked: without ``input_ids`` the prompt comes from the response's
+  ``prompt_token_ids`` (request ``return_prompt_token_ids=True``) or from
+  ``input_token_logprobs`` when it covers the whole prompt (``logprob_start_len=0``);
+  otherwise the line is refused. ``input_token_logprobs`` covering only the end of
+  the prompt (``logprob_start_len > 0``) gives those tokens' log-probs, the others are 0.
+
+Progress goes to stderr every ``--log-interval`` samples (samples, tokens, the
+fraction of tokens with a route); an error names the input line, the request
+and what is wrong, and leaves no output file behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional, TextIO
+
+import numpy as np
+
+from megatron_r3.adapters import RoutingSpec
+from megatron_r3.engine_samples import sglang_samples, vllm_samples
+from megatron_r3.moe_layers import moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.rollout_dump import RolloutDumpWriter, RolloutSample
+
+
+class InputLineError(ValueError):
+    """A JSONL line that is not in the documented format."""
+
+
+def request_output_to_json(request_output: Any, rewards: Optional[list] = None) -> dict:
+    """A vLLM ``RequestOutput`` as one line of ``--engine vllm`` input (``json.dumps`` it).
+
+    Args:
+        request_output: The ``RequestOutput``.
+        rewards: Optional reward per completion, in ``outputs`` order.
+    """
+    outputs = []
+    for i, completion in enumerate(request_output.outputs):
+        out = {
+            "index": completion.index,
+            "token_ids": [int(t) for t in completion.token_ids],
+            "logprobs": None if completion.logprobs is None else [_positions_json(p) for p in completion.logprobs],
+            "routed_experts": None if completion.routed_experts is None else _array_json(completion.routed_experts),
+            "finish_reason": completion.finish_reason,
+        }
+        if rewards is not None:
+            out["reward"] = rewards[i]
+        outputs.append(out)
+    prompt_logprobs = request_output.prompt_logprobs
+    return {
+        "request_id": request_output.request_id,
+        "prompt_token_ids": [int(t) for t in request_output.prompt_token_ids],
+        "prompt_logprobs": None if prompt_logprobs is None else [_positions_json(p) for p in prompt_logprobs],
+        "outputs": outputs,
+    }
+
+
+def vllm_line_samples(record: dict, spec: RoutingSpec) -> list[RolloutSample]:
+    """The samples of one ``--engine vllm`` line (a parsed JSON object)."""
+    request = SimpleNamespace(
+        request_id=record.get("request_id"),
+        prompt_token_ids=_required(record, "prompt_token_ids", "vLLM request"),
+        prompt_logprobs=_positions(record.get("prompt_logprobs"), "prompt_logprobs"),
+        outputs=[],
+    )
+    rewards = []
+    for position, out in enumerate(_required(record, "outputs", "vLLM request")):
+        where = f"vLLM request {request.request_id!r} outputs[{position}]"
+        request.outputs.append(SimpleNamespace(
+            index=out.get("index", position),
+            token_ids=_required(out, "token_ids", where),
+            logprobs=_positions(out.get("logprobs"), f"{where}.logprobs"),
+            routed_experts=_array(out.get("routed_experts"), f"{where}.routed_experts"),
+            finish_reason=out.get("finish_reason"),
+        ))
+        rewards.append(out.get("reward"))
+    return vllm_samples(request, spec, rewards=rewards)
+
+
+def sglang_line_samples(record: dict, spec: RoutingSpec) -> list[RolloutSample]:
+    """The samples of one ``--engine sglang`` line (a parsed JSON object)."""
+    response = _required(record, "response", "SGLang line")
+    responses = response if isinstance(response, list) else [response]
+    reward = record.get("reward")
+    rewards = None if reward is None else (reward if isinstance(reward, list) else [reward])
+    return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards)
+
+
+LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples}
+
+
+def dump_jsonl(
+    input_path: str, out_path: str, engine: str, spec: RoutingSpec, *, log_interval: int = 1000,
+    log: TextIO = sys.stderr,
+) -> dict:
+    """Converts a JSONL file into a rollout dump; returns counts.
+
+    The dump is written next to ``out_path`` and moved there once complete, so a
+    failed conversion leaves no file behind.
+
+    Returns:
+        ``{"requests", "samples", "tokens", "routed_tokens"}``.
+
+    Raises:
+        InputLineError: a line that cannot be read or does not fit the model, naming
+            the file, the line and (where known) the request.
+    """
+    read_line = LINE_READERS[engine]
+    counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0}
+    partial = f"{out_path}.partial"
+    try:
+        with RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
+                               layer_numbers=spec.moe_layer_numbers) as writer:
+            for number, record in _records(input_path):
+                try:
+                    samples = read_line(record, spec)
+                    for sample in samples:
+                        writer.write(sample)
+                except ValueError as error:
+                    raise InputLineError(f"{input_path} line {number}: {error}") from error
+                except (TypeError, IndexError, KeyError) as error:  # a field of the wrong JSON type
+                    raise InputLineError(
+                        f"{input_path} line {number}: malformed record ({type(error).__name__}: {error})"
+                    ) from error
+                counts["requests"] += 1
+                for sample in samples:
+                    counts["samples"] += 1
+                    counts["tokens"] += len(sample.token_ids)
+                    counts["routed_tokens"] += int(sample.routes.valid.sum())
+                    if log_interval and counts["samples"] % log_interval == 0:
+                        print(f"dump_vllm_rollouts: {_summary(counts)}", file=log, flush=True)
+        os.replace(partial, out_path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+    return counts
+
+
+def _summary(counts: dict) -> str:
+    routed = counts["routed_tokens"] / max(counts["tokens"], 1)
+    return (f"{counts['samples']} samples from {counts['requests']} requests, {counts['tokens']} tokens, "
+            f"routed fraction {routed:.4f}")
+
+
+def _records(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputLineError(f"{path} line {number}: not JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise InputLineError(f"{path} line {number}: a JSON object is expected, got {type(record).__name__}")
+            yield number, record
+
+
+def _required(record: dict, key: str, what: str) -> Any:
+    if record.get(key) is None:
+        raise InputLineError(f"{what} has no {key!r}")
+    return record[key]
+
+
+def _positions(positions: Optional[list], what: str) -> Optional[list]:
+    """JSON per-position log-probs -> vLLM's ``[{token_id: Logprob}]`` (None entries stay None)."""
+    if positions is None:
+        return None
+    out = []
+    for i, position in enumerate(positions):
+        if position is None:
+            out.append(None)
+            continue
+        try:
+            out.append({int(token): SimpleNamespace(logprob=float(entry["logprob"]))
+                        for token, entry in position.items()})
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise InputLineError(
+                f"{what}[{i}] must map token ids to {{\"logprob\": float, ...}}, got {json.dumps(position)[:200]}"
+            ) from None
+    return out
+
+
+def _positions_json(position: Optional[dict]) -> Optional[dict]:
+    if position is None:
+        return None
+    return {str(token): {"logprob": float(p.logprob), "rank": getattr(p, "rank", None),
+                         "decoded_token": getattr(p, "decoded_token", None)} for token, p in position.items()}
+
+
+def _array(value: Any, what: str) -> Optional[np.ndarray]:
+    """A JSON integer array: ``{"dtype", "shape", "base64"}`` (little-endian) or nested lists."""
+    if value is None or isinstance(value, list):
+        return None if value is None else np.asarray(value)
+    try:
+        dtype = np.dtype(value["dtype"]).newbyteorder("<")
+        flat = np.frombuffer(base64.b64decode(value["base64"]), dtype=dtype)
+        return flat.reshape(value["shape"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise InputLineError(
+            f"{what} must be nested lists or {{\"dtype\", \"shape\", \"base64\"}} ({type(error).__name__}: {error})"
+        ) from None
+
+
+def _array_json(array: Any) -> dict:
+    array = np.asarray(array)
+    return {"dtype": array.dtype.name, "shape": list(array.shape),
+            "base64": base64.b64encode(array.astype(array.dtype.newbyteorder("<")).tobytes()).decode()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=sorted(LINE_READERS), required=True)
+    parser.add_argument("--input", required=True, help="JSONL file, one request (vllm) or prompt (sglang) a line")
+    parser.add_argument("--out", required=True, help="the rollout dump to write")
+    parser.add_argument("--num-layers", type=int, required=True, help="decoder layers of the model")
+    parser.add_argument("--moe-layer-freq", default="1", help="an int, or one 0/1 per layer, comma-separated")
+    parser.add_argument("--num-experts", type=int, required=True)
+    parser.add_argument("--moe-router-topk", type=int, required=True)
+    parser.add_argument("--log-interval", type=int, default=1000, help="progress every this many samples (0: off)")
+    args = parser.parse_args(argv)
+    try:
+        spec = RoutingSpec(num_layers=args.num_layers,
+                           moe_layer_numbers=moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq)),
+                           num_experts=args.num_experts, topk=args.moe_router_topk)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        counts = dump_jsonl(args.input, args.out, args.engine, spec, log_interval=args.log_interval)
+    except (InputLineError, OSError) as error:
+        print(f"dump_vllm_rollouts: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {_summary(counts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
