@@ -26,7 +26,9 @@ prints a progress line and appends the metrics (``megatron_r3.train_metrics``)
 to ``--metrics-file``. Flags follow Megatron's names; every model and layout
 flag has a small default (all parallel sizes 1, so ``--nproc-per-node 2`` is
 data-parallel size 2). Layers come from ``megatron_r3.layer_specs`` (no
-TransformerEngine needed). Checkpoints are not loaded or saved yet.
+TransformerEngine needed). ``--save``/``--save-interval`` write checkpoints
+(``megatron_r3.checkpointing``: weights, optimizer, the engine's lagging weights,
+data position, RNG) and ``--load`` resumes from the latest one, under any layout.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -46,6 +49,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.adapters import RoutingSpec
+from megatron_r3.checkpointing import (
+    RNGStateNotRestoredWarning,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
 from megatron_r3.plan import RankLayout
@@ -112,7 +121,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     training.add_argument("--weight-decay", type=float, default=0.0)
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--log-interval", type=int, default=1)
-    training.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration here")
+    training.add_argument("--metrics-file", default=None,
+                          help="one JSON object per logged iteration (a resumed run keeps the lines up to its "
+                               "checkpoint and continues them)")
+
+    checkpoints = parser.add_argument_group("checkpointing")
+    checkpoints.add_argument("--save", default=None, help="directory to save checkpoints to")
+    checkpoints.add_argument("--save-interval", type=int, default=None,
+                             help="iterations between checkpoints (default: only at the end of training)")
+    checkpoints.add_argument("--load", default=None,
+                             help="directory to resume from (its latest complete checkpoint); without one there, "
+                                  "the run starts from scratch, so --load and --save may name the same directory "
+                                  "for runs that restart")
 
     rl = parser.add_argument_group("reinforcement learning")
     rl.add_argument("--task", choices=sorted(TRANSFORMS), default="reverse", help="the built-in task")
@@ -140,6 +160,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--routing-replay-mode {args.routing_replay_mode} needs --moe-enable-routing-replay")
     if args.moe_enable_routing_replay and args.routing_replay_mode is None:
         args.routing_replay_mode = "r3"
+    if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
+        parser.error("--save-interval needs --save and must be >= 1")
     return args
 
 
@@ -260,6 +282,20 @@ def init_model_parallel(args: argparse.Namespace) -> None:
     )
 
 
+def init_process_group(device: torch.device) -> None:
+    """The default process group from torchrun's environment (``env://``), NCCL or gloo.
+
+    Its store keys are scoped to this attempt of the worker group: after a torchrun restart
+    (``--max-restarts``) the agent's store still holds the addresses the dead workers
+    published under the same keys, and a restarted worker would try to connect to them.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None)
+
+
 def initialize(args: argparse.Namespace) -> torch.device:
     """Process group (from torchrun's environment unless one exists), parallel state and RNG.
 
@@ -271,10 +307,7 @@ def initialize(args: argparse.Namespace) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
+        init_process_group(device)
     init_model_parallel(args)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -357,6 +390,9 @@ class EmbeddedRollouts:
             sample.meta["reward"] = float(reward)
         return RolloutBatch(samples, group_advantages(rewards, self.group), rewards)
 
+    def resume(self, consumed_samples: int) -> None:
+        """Nothing to do: prompts and sampling follow from (seed, iteration, data-parallel rank)."""
+
     def close(self) -> None:
         """Nothing to release: the engine lives as long as the run."""
 
@@ -371,9 +407,19 @@ class DumpRollouts:
 
     def __init__(self, args: argparse.Namespace, global_batch: int):
         check_dump(args.rollout_dump, args)
-        self.shard = DataParallelDumpShard(args.rollout_dump, parallel_state.get_data_parallel_rank(),
-                                           parallel_state.get_data_parallel_world_size(), global_batch)
+        self.path, self.global_batch = args.rollout_dump, global_batch
+        self.shard = self._shard(consumed_samples=0)
         self.group = args.rollouts_per_prompt
+
+    def _shard(self, consumed_samples: int) -> DataParallelDumpShard:
+        return DataParallelDumpShard(self.path, parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size(), self.global_batch,
+                                     consumed_samples=consumed_samples)
+
+    def resume(self, consumed_samples: int) -> None:
+        """Continue after the first ``consumed_samples`` samples (a checkpoint's data position)."""
+        self.shard.close()
+        self.shard = self._shard(consumed_samples)
 
     def batch(self, iteration: int) -> RolloutBatch:
         records = self.shard.next_records()
@@ -444,10 +490,50 @@ def setup(args: argparse.Namespace, device: torch.device) -> TrainingRun:
         return TrainingRun(args, trainer, DumpRollouts(args, global_batch), None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
     engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
-    engine = RolloutEngine(build_model(args, engine_config, device), chunks, spec, rows,
+    engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
                            SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
                            args.rollout_staleness)
     return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
+
+
+def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
+    """Every set of model chunks a checkpoint holds: the policy, and the engine's lagging weights."""
+    models = {"model": run.trainer.chunks}
+    if run.engine is not None:
+        lag = run.engine.weights
+        models["rollout"] = lag.follower
+        models.update({f"rollout_lag{i}": chunks for i, chunks in enumerate(lag.snapshots)})
+    return models
+
+
+def save(run: TrainingRun) -> None:
+    """Saves the run at its current iteration to ``--save``."""
+    state = {"consumed_samples": run.consumed_samples, "args": vars(run.args)}
+    if run.engine is not None:
+        state["rollout_weight_advances"] = run.engine.weights.advances
+    save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), run.trainer.optimizer, state)
+
+
+def resume(run: TrainingRun, log: Callable[[str], None] = print) -> None:
+    """Loads ``--load``'s latest checkpoint into the run, if there is one.
+
+    Weights and optimizer state load under any parallel layout (dist_checkpointing);
+    per-rank RNG states only under the layout they were saved with.
+    """
+    directory = run.args.load
+    if directory is None:
+        return
+    if latest_iteration(directory) is None:
+        log(f" no checkpoint in {directory}: starting from scratch")
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
+        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), run.trainer.optimizer)
+    run.consumed_samples = state["consumed_samples"]
+    run.source.resume(run.consumed_samples)
+    if run.engine is not None:
+        run.engine.weights.advances = state["rollout_weight_advances"]
+    log(f" resumed from {directory} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
 
 
 def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list[dict]:
@@ -459,7 +545,8 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list
     args = run.args
     moe_layers = run.trainer.spec.moe_layer_numbers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
-    metrics_file = MetricsFile(args.metrics_file if logging_rank else None)
+    metrics_file = MetricsFile(args.metrics_file if logging_rank else None,
+                               keep_through=run.iteration if args.load else None)
     history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:
@@ -482,6 +569,11 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list
                 if logging_rank:
                     log(progress_line(metrics, args.train_iters))
                     metrics_file.write(metrics)
+            if args.save and (iteration == args.train_iters
+                              or (args.save_interval and iteration % args.save_interval == 0)):
+                save(run)
+                if logging_rank:
+                    log(f" saved checkpoint at iteration {iteration} to {args.save}")
     finally:
         metrics_file.close()
     return history
@@ -491,6 +583,7 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     """:func:`setup`, then :func:`run_iterations`; returns every iteration's metrics."""
     run = setup(args, device)
     try:
+        resume(run, log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None)
         return run_iterations(run, log)
     finally:
         run.source.close()

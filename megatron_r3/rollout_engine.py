@@ -30,7 +30,7 @@ trainer routes that token live.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -79,7 +79,9 @@ class RolloutEngine:
     """Samples completions with lagging bf16 weights and records their routes and log-probs.
 
     Args:
-        chunks: The engine's model chunks (bf16 config with ``moe_enable_routing_replay``).
+        make_chunks: Builds model chunks of the engine's kind (bf16 config with
+            ``moe_enable_routing_replay``): the engine's own, and one set per weight
+            snapshot of the lag.
         policy: The trainer's model chunks, same layout; the engine trails their weights.
         spec: The model's MoE layers, experts and top-k.
         rows: How this rank packs rows.
@@ -89,18 +91,18 @@ class RolloutEngine:
 
     def __init__(
         self,
-        chunks: Sequence[torch.nn.Module],
+        make_chunks: Callable[[], Sequence[torch.nn.Module]],
         policy: Sequence[torch.nn.Module],
         spec: RoutingSpec,
         rows: RowLayout,
         sampling: SamplingParams,
         staleness: int,
     ):
-        self.chunks = list(chunks)
+        self.chunks = list(make_chunks())
         self.spec = spec
         self.rows = rows
         self.sampling = sampling
-        self.weights = LaggedWeights(policy, self.chunks, staleness)
+        self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
         for chunk in self.chunks:
             chunk.eval()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from typing import Optional, Sequence, TextIO
 
 import numpy as np
@@ -118,10 +119,26 @@ def _number(value: Optional[float], spec: str) -> str:
 
 
 class MetricsFile:
-    """Appends one JSON object per logged iteration to a JSONL file (on the logging rank only)."""
+    """Writes one JSON object per logged iteration to a JSONL file (on the logging rank only).
 
-    def __init__(self, path: Optional[str]):
-        self._file: Optional[TextIO] = open(path, "w") if path else None
+    Args:
+        path: The file, or None to write nothing.
+        keep_through: A resumed run's first iteration minus one: the file keeps its lines of
+            iterations up to this one and drops the rest (a run that died after its last
+            checkpoint wrote them, and the resumed run writes them again). None starts afresh.
+    """
+
+    def __init__(self, path: Optional[str], keep_through: Optional[int] = None):
+        self._file: Optional[TextIO] = None
+        if not path:
+            return
+        kept = []
+        if keep_through is not None and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= keep_through]
+        self._file = open(path, "w")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, metrics: dict) -> None:
         if self._file is not None:

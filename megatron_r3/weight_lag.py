@@ -2,20 +2,22 @@
 
 Asynchronous RL samples with weights some steps behind the trainer's; the
 built-in rollout engine reproduces that with ``staleness`` snapshots of the
-policy's weights, stored in the follower's dtype (bf16 for the engine). Each
-:meth:`LaggedWeights.advance`, called once per iteration before sampling, takes
-a snapshot of the policy as it is now and loads into the follower the one taken
-``staleness`` calls ago (the policy's initial weights until there is one). With
-``staleness = 0`` the follower gets the current weights.
+policy's weights, kept in model chunks of the follower's kind (bf16 for the
+engine) used as a ring: each :meth:`LaggedWeights.advance`, called once per
+iteration before sampling, loads into the follower the snapshot taken
+``staleness`` calls ago (the policy's initial weights until there is one) and
+puts a snapshot of the policy as it is now in its place. With ``staleness = 0``
+the follower gets the current weights.
 
-The follower's weights and :attr:`LaggedWeights.snapshots` are all the state
-there is: a checkpoint that saves both resumes the lag exactly.
+All the state there is: the follower's chunks, the snapshot chunks
+(:attr:`LaggedWeights.snapshots`, ring slot ``i`` holds the snapshot of advance
+``n`` with ``n % staleness == i``) and the number of advances; a checkpoint that
+saves the chunks and :attr:`LaggedWeights.advances` resumes the lag exactly.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -25,39 +27,53 @@ class LaggedWeights:
 
     Both are lists of model chunks of the same architecture and parallel layout;
     parameters are matched by name and may differ in dtype. The constructor
-    copies the policy's weights into the follower.
+    copies the policy's weights into the follower and builds the snapshot chunks.
 
     Args:
         policy: The trainer's model chunks.
         follower: The chunks to keep behind (the rollout engine's).
         staleness: Optimizer steps the follower trails by (>= 0).
+        make_snapshot: Builds chunks like the follower's, to hold one snapshot
+            (called ``staleness`` times, here).
     """
 
-    def __init__(self, policy: Sequence[torch.nn.Module], follower: Sequence[torch.nn.Module], staleness: int):
+    def __init__(self, policy: Sequence[torch.nn.Module], follower: Sequence[torch.nn.Module], staleness: int,
+                 make_snapshot: Callable[[], Sequence[torch.nn.Module]]):
         if staleness < 0:
             raise ValueError(f"--rollout-staleness must be >= 0, got {staleness}")
+        _check_matching(policy, follower)
         self.staleness = staleness
-        self._pairs = _matched_parameters(policy, follower)
-        self.snapshots: deque[list[torch.Tensor]] = deque()
-        self._load([p for p, _ in self._pairs])
+        self.policy, self.follower = list(policy), list(follower)
+        self.snapshots = [list(make_snapshot()) for _ in range(staleness)]
+        for snapshot in self.snapshots:
+            _check_matching(follower, snapshot)
+        self.advances = 0
+        _copy(self.policy, self.follower)
 
     @torch.no_grad()
     def advance(self) -> None:
-        """Snapshots the policy; the follower takes the snapshot ``staleness`` calls old."""
-        self.snapshots.append([p.detach().to(f.dtype, copy=True) for p, f in self._pairs])
-        if len(self.snapshots) > self.staleness:
-            self._load(self.snapshots.popleft())
+        """The follower takes the snapshot ``staleness`` calls old; the policy's current weights replace it."""
+        self.advances += 1
+        if self.staleness == 0:
+            _copy(self.policy, self.follower)
+            return
+        slot = self.snapshots[self.advances % self.staleness]
+        if self.advances > self.staleness:
+            _copy(slot, self.follower)
+        _copy(self.policy, slot)
 
-    @torch.no_grad()
-    def _load(self, weights: Sequence[torch.Tensor]) -> None:
-        for (_, follower), weight in zip(self._pairs, weights):
-            follower.copy_(weight)
+
+@torch.no_grad()
+def _copy(source: Sequence[torch.nn.Module], target: Sequence[torch.nn.Module]) -> None:
+    for source_chunk, target_chunk in zip(source, target):
+        targets = dict(target_chunk.named_parameters())
+        for name, param in source_chunk.named_parameters():
+            targets[name].copy_(param)
 
 
-def _matched_parameters(policy, follower) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+def _check_matching(policy, follower) -> None:
     if len(policy) != len(follower):
         raise ValueError(f"the policy has {len(policy)} model chunks, the follower {len(follower)}")
-    pairs = []
     for chunk, (source, target) in enumerate(zip(policy, follower)):
         source_params, target_params = dict(source.named_parameters()), dict(target.named_parameters())
         if source_params.keys() != target_params.keys():
@@ -67,5 +83,3 @@ def _matched_parameters(policy, follower) -> list[tuple[torch.nn.Parameter, torc
             if param.shape != target_params[name].shape:
                 raise ValueError(f"model chunk {chunk}: {name} is {tuple(param.shape)} in the policy and "
                                  f"{tuple(target_params[name].shape)} in the follower")
-            pairs.append((param, target_params[name]))
-    return pairs
