@@ -275,7 +275,7 @@ def torchrun_default_run(tmp_path_factory):
     """The embedded default as a user runs it: torchrun, 2 ranks, only --moe-enable-routing-replay."""
     metrics = tmp_path_factory.mktemp("torchrun") / "metrics.jsonl"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo, as on a machine without GPUs
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "launch/pretrain_gpt_r3.py", "--moe-enable-routing-replay",
                "--train-iters", "3", "--metrics-file", str(metrics)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

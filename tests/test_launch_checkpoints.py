@@ -85,7 +85,7 @@ def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoi
 
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "metrics.jsonl")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", "launch/pretrain_gpt_r3.py", *flags, "--save", ckpt, "--load", ckpt,
                "--save-interval", "1", "--metrics-file", metrics]
     log = tmp_path / "torchrun.log"
