@@ -36,6 +36,11 @@ grep " iteration " "$out/launch.log" | tail -3
 echo "embedded run exit status: $?" | tee -a "$out/embedded.log"
 grep " iteration " "$out/embedded.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
+.venv/bin/python -m bench.step --out "$out/step-ep1.md" > "$out/step-ep1.log" 2>&1; grep "^|" "$out/step-ep1.log"
+if [ "$ngpu" -ge 2 ]; then
+  .venv/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --out "$out/step-ep2.md" \
+    > "$out/step-ep2.log" 2>&1; grep "^|" "$out/step-ep2.log"
+fi
 timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
   > "$out/test.log" 2>&1
 echo "make test exit status: $?" | tee -a "$out/test.log"
