@@ -2,7 +2,7 @@
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
 # 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
-# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark  5. `make test`, the whole suite, with per-test timings (stopped
+# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing and training-step benchmarks  5. `make test`, the whole suite, with per-test timings (stopped
 # after SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
