@@ -45,10 +45,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from launch import pretrain_gpt_r3 as launcher
 from megatron_r3.expert_counts import ExpertCountExchange, local_expert_counts
-from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.plan import RankLayout, RoutingPlan
 from megatron_r3.prefetch import PreparedMicrobatches
 from megatron_r3.routes import RolloutRoutes, concat_routes
@@ -98,45 +97,17 @@ def initialize(args) -> torch.device:
 
 
 def build_model(args, device) -> GPTModel:
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_layer_freq=1,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_enable_routing_replay=True,
-        expert_model_parallel_size=args.ep,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        bf16=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=device.type == "cpu",
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        calculate_per_token_loss=True,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_r3_spec(config),
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.seq_length,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    return model.to(device)
+    """The launcher's model for these sizes (bf16, alltoall, every layer MoE, replay-capable)."""
+    flags = launcher.parse_args([
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--ffn-hidden-size", str(4 * args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
+        "--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
+        "--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size), "--vocab-size", str(args.vocab_size),
+        "--seq-length", str(args.seq_length), "--expert-model-parallel-size", str(args.ep), "--bf16",
+        "--moe-enable-routing-replay", "--init-method-std", "0.02",
+    ])
+    (model,) = launcher.build_model(flags, launcher.transformer_config(flags, device), device)
+    return model
 
 
 class Data:
