@@ -38,7 +38,6 @@ import time
 import warnings
 from functools import partial
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
