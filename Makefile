@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 .PHONY: install test test-cpu test-gpu bench check-patches patch clean help
 
 help:
-	@echo "make install        .venv + pinned deps + patched megatron-core 0.16.1+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
+	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, training step (1 GPU, EP=2 on 2 GPUs); build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
@@ -32,10 +32,14 @@ bench: $(VPY)
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --out build/bench/step-ep2.md; fi
 
+# The base version and sdist come from tools/patch_series.py (one place to change them).
+BASE := $(word 1,$(shell $(PYTHON) tools/patch_series.py base))
+SDIST := build/$(word 2,$(shell $(PYTHON) tools/patch_series.py base))
+
 check-patches:
 	@mkdir -p build
-	@test -f build/megatron_core-0.16.1.tar.gz || $(PYTHON) -m pip download -q --no-deps --no-binary :all: megatron-core==0.16.1 -d build
-	$(PYTHON) tools/patch_series.py check build/megatron_core-0.16.1.tar.gz
+	@test -f $(SDIST) || $(PYTHON) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python megatron-core==$(BASE) -d build
+	$(PYTHON) tools/patch_series.py check $(SDIST)
 
 patch:
 	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM" >&2; exit 2; }

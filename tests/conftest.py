@@ -1,7 +1,11 @@
 import os
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+from patch_series import SDIST_NAME  # noqa: E402  (the base sdist has one name, in the tool)
 
 
 def pytest_configure(config):
@@ -20,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def megatron_sdist(tmp_path_factory):
-    """The pristine megatron-core 0.16.1 sdist that make install fetched."""
-    path = os.path.join(os.path.dirname(__file__), "..", "build", "megatron_core-0.16.1.tar.gz")
+    """The pristine megatron-core sdist that make install fetched."""
+    path = os.path.join(os.path.dirname(__file__), "..", "build", SDIST_NAME)
     assert os.path.isfile(path), "run `make install` first: it keeps the sdist in build/"
     return os.path.abspath(path)
 

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # make install: a .venv with pinned dependencies, the patched megatron-core
-# 0.16.1+r3, and megatron_r3 with its compiled extension.
+# 0.19.2+r3, and megatron_r3 with its compiled extension.
+#
+# megatron-core 0.17 and later declare requires-python >= 3.12, but their
+# sources build and run on Python 3.11 (the patch series imports Triton lazily,
+# so no Triton is needed either). The sdist is therefore downloaded and
+# installed with pip's --ignore-requires-python; it is pinned by sha256.
 #
 #   PYTHON      interpreter to build the venv from (default: python3)
 #   WHEELHOUSE  folder of wheels and the megatron-core sdist: install offline
@@ -11,8 +16,6 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-SDIST_NAME=megatron_core-0.16.1.tar.gz
-SDIST_SHA256=86522feacfa5ef384a6ac627e7d88cf4866811aed3bc9b6c2a85cbf15cff91a3
 TORCH_CPU=torch==2.13.0
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -64,12 +67,13 @@ step "pinned dependencies (requirements.txt)"
 "$VPY" -m pip install -q "${PIP_ARGS[@]}" -r requirements.txt \
   || die "could not install requirements.txt (offline? put the wheels in WHEELHOUSE)"
 
-step "megatron-core 0.16.1 + patches/"
+read -r BASE SDIST_NAME SDIST_SHA256 < <("$VPY" tools/patch_series.py base)
+step "megatron-core $BASE + patches/"
 digest=$("$VPY" tools/patch_series.py digest)
 stamp=$VENV/.megatron-r3-series
 installed=$("$VPY" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)
-if [ "$installed" = "0.16.1+r3" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ]; then
-  echo "megatron-core 0.16.1+r3 is up to date (series $digest)"
+if [ "$installed" = "$BASE+r3" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$digest" ]; then
+  echo "megatron-core $BASE+r3 is up to date (series $digest)"
 else
   mkdir -p build
   sdist=build/$SDIST_NAME
@@ -77,13 +81,16 @@ else
     cp "$WHEELHOUSE/$SDIST_NAME" "$sdist"
   elif [ ! -f "$sdist" ]; then
     [ -z "${WHEELHOUSE:-}" ] || die "$SDIST_NAME is not in WHEELHOUSE=$WHEELHOUSE"
-    "$VPY" -m pip download -q --no-deps --no-binary :all: megatron-core==0.16.1 -d build \
-      || die "could not download the megatron-core 0.16.1 sdist from PyPI"
+    "$VPY" -m pip download -q --no-deps --no-binary :all: --ignore-requires-python \
+      "megatron-core==$BASE" -d build \
+      || die "could not download the megatron-core $BASE sdist from PyPI"
   fi
   echo "$SDIST_SHA256  $sdist" | sha256sum -c --quiet - \
-    || die "$sdist does not match the pinned sha256 of megatron-core 0.16.1"
+    || die "$sdist does not match the pinned sha256 of megatron-core $BASE"
   "$VPY" tools/patch_series.py build "$sdist" build/megatron-core
-  "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-build-isolation --no-deps ./build/megatron-core \
+  # NO_VCS_VERSION: package_info would append the enclosing git checkout's commit (ours).
+  NO_VCS_VERSION=1 "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-build-isolation --no-deps \
+    --ignore-requires-python ./build/megatron-core \
     || die "pip could not install the patched megatron-core from build/megatron-core"
   echo "$digest" > "$stamp"
 fi

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Apply, check and build the megatron-r3 patch series.
 
-The series in ``patches/series`` targets Megatron-LM ``core_v0.16.1`` (commit
-55ac7082), which is the same tree as the PyPI sdist ``megatron-core==0.16.1``.
+The series in ``patches/series`` targets megatron-core 0.19.2, the PyPI sdist
+``megatron-core==0.19.2``. In Megatron-LM's git history the nearest tag is
+``core_v0.19.0`` (commit 5be9626709, whose package_info says 0.19.1); it differs
+from the 0.19.2 sdist in six files, in lines no patch touches, so the series
+applies to a checkout of that tag too.
 
 Commands:
   apply DIR     apply the series to a Megatron-LM checkout (or an extracted
@@ -11,7 +14,7 @@ Commands:
                 fuzz, offsets, or a patch without a header.
   build SDIST OUT
                 extract SDIST into OUT, apply the series and stamp the version
-                as 0.16.1+r3, ready for ``pip install OUT``.
+                as 0.19.2+r3, ready for ``pip install OUT``.
   workspace SDIST DIR
                 make DIR a git checkout of the pristine sdist (tag 'base') with
                 one commit per patch (git am): edit, commit, then 'export'.
@@ -19,6 +22,8 @@ Commands:
                 regenerate patches/ from the commits BASE..HEAD of a git
                 checkout of megatron-core (one commit per patch, its message
                 the header).
+  digest        a digest of the series (make install rebuilds when it changes).
+  base          the base version, sdist file name and its pinned sha256.
 """
 
 import argparse
@@ -33,7 +38,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
-BASE_VERSION = (0, 16, 1)
+BASE_VERSION = (0, 19, 2)
+SDIST_NAME = "megatron_core-0.19.2.tar.gz"
+SDIST_SHA256 = "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
+# Trees the series applies to, by the version their package_info declares.
+ACCEPTED_BASES = {
+    (0, 19, 2): "the megatron-core 0.19.2 release",
+    (0, 19, 1): "Megatron-LM tag core_v0.19.0, commit 5be9626709",
+}
 LOCAL_LABEL = "r3"
 PACKAGE_INFO = Path("megatron/core/package_info.py")
 VERSION_LINE = "__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])"
@@ -117,12 +129,14 @@ def refuse_wrong_base(tree):
             f"{tree} is not a Megatron-LM checkout or megatron-core sdist "
             f"({PACKAGE_INFO} not found)"
         )
-    if version != BASE_VERSION:
-        want = ".".join(map(str, BASE_VERSION))
+    if version not in ACCEPTED_BASES:
         have = ".".join(map(str, version))
+        accepted = "; ".join(
+            f"{'.'.join(map(str, v))}: {what}" for v, what in ACCEPTED_BASES.items()
+        )
         raise SeriesError(
-            f"{tree} is Megatron-Core {have}; the series targets {want} "
-            "(Megatron-LM tag core_v0.16.1, commit 55ac7082)"
+            f"{tree} is Megatron-Core {have}; the series targets 0.19.2 ({accepted}). The last "
+            "megatron-r3 commit for 0.16.1 is named in the README"
         )
 
 
@@ -198,7 +212,7 @@ def check_series(sdist):
 
 
 def build_tree(sdist, out):
-    """Extract, patch and stamp the version: the tree `pip install` turns into 0.16.1+r3."""
+    """Extract, patch and stamp the version: the tree `pip install` turns into 0.19.2+r3."""
     tree = extract_sdist(sdist, out)
     apply_series(tree)
     info = tree / PACKAGE_INFO
@@ -207,7 +221,8 @@ def build_tree(sdist, out):
         raise SeriesError(f"cannot find the version line in {info}")
     stamped = VERSION_LINE + f" + '+{LOCAL_LABEL}'"
     info.write_text(text.replace(VERSION_LINE, stamped))
-    print(f"patched tree ready at {tree} (megatron-core 0.16.1+{LOCAL_LABEL})")
+    version = ".".join(map(str, BASE_VERSION))
+    print(f"patched tree ready at {tree} (megatron-core {version}+{LOCAL_LABEL})")
 
 
 def make_workspace(sdist, out):
@@ -218,7 +233,7 @@ def make_workspace(sdist, out):
     git("init", "-q")
     (tree / ".git" / "info" / "exclude").write_text("*.so\n*.egg-info\nbuild/\n__pycache__/\n")
     git("add", "-A")
-    git("commit", "-qm", "megatron-core 0.16.1 sdist")
+    git("commit", "-qm", f"megatron-core {'.'.join(map(str, BASE_VERSION))} sdist")
     git("tag", "base")
     git("am", "-q", "--keep-cr", *map(str, series_files()))
     print(f"workspace ready at {tree}: edit, commit, then "
@@ -256,6 +271,7 @@ def main(argv=None):
     export.add_argument("repo")
     export.add_argument("base")
     sub.add_parser("digest")
+    sub.add_parser("base")
     args = parser.parse_args(argv)
     try:
         if args.command == "apply":
@@ -270,6 +286,8 @@ def main(argv=None):
             export_series(args.repo, args.base)
         elif args.command == "digest":
             print(series_digest())
+        elif args.command == "base":
+            print(".".join(map(str, BASE_VERSION)), SDIST_NAME, SDIST_SHA256)
     except SeriesError as err:
         print(f"patch_series: error: {err}", file=sys.stderr)
         return 1
