@@ -47,9 +47,9 @@ def get_gpt_layer_r3_spec(
     Args:
         num_experts: ``None`` for a dense MLP layer; the number of experts for a MoE
             layer (Megatron's local MoE module: router, token dispatcher per
-            ``config.moe_token_dispatcher_type``, ``SequentialMLP`` experts, or
-            ``GroupedMLP`` with ``moe_grouped_gemm``).
-        moe_grouped_gemm: Use the legacy ``GroupedMLP`` experts.
+            ``config.moe_token_dispatcher_type``, ``SequentialMLP`` experts, or the
+            local grouped-GEMM experts with ``moe_grouped_gemm``).
+        moe_grouped_gemm: Use grouped-GEMM experts.
         qk_layernorm: Normalise queries and keys (per head) before attention.
 
     Returns:
@@ -66,7 +66,6 @@ def get_gpt_layer_r3_spec(
             backend=LocalSpecProvider(),
             num_experts=num_experts,
             moe_grouped_gemm=moe_grouped_gemm,
-            moe_use_legacy_grouped_gemm=moe_grouped_gemm,
         )
     qk_norm = SequenceParallelNorm if qk_layernorm else IdentityOp
     return ModuleSpec(

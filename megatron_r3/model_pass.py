@@ -7,8 +7,8 @@ THD row each), optionally each chunk's routes to replay, through
 forward only or forward and backward. Every forward step gives its chunk a
 fresh ``MoERouting`` when it replays or records, and the pass hands those back
 per microbatch and chunk, so a caller can read the routes taken
-(``recorded_expert_ids()``) and what the live router preferred
-(``live_expert_ids()``).
+(``recorded_expert_ids()``) and, when it asked for them, what the live router
+preferred (``live_expert_ids()``).
 
 The model returns vocab-parallel logits ``[1, s_local, vocab / tp]``; the loss
 function of the caller turns them into what it needs on the last pipeline
@@ -62,6 +62,7 @@ def run_pass(
     *,
     routes: Optional[Sequence[Sequence[PackedRoutes]]] = None,
     record: bool = False,
+    keep_live_routes: bool = False,
     forward_only: bool = True,
 ) -> tuple[list[dict], list[list[Optional[MoERouting]]]]:
     """Runs the schedule once over ``microbatches`` on this rank's model ``chunks``.
@@ -71,8 +72,10 @@ def run_pass(
         microbatches: Packed rows of the same ``seq_length``.
         loss_fn: Called on the last pipeline stage for each microbatch.
         routes: Per microbatch, one :class:`PackedRoutes` per chunk to replay; None routes live.
-        record: Give every chunk a ``MoERouting`` even without routes, so the routes taken
-            are recorded (the model config needs ``moe_enable_routing_replay``).
+        record: Record the routes every chunk takes (``recorded_expert_ids()``), also
+            without routes to replay (the model config needs ``moe_enable_routing_replay``).
+        keep_live_routes: With ``routes``, also keep what the routers' own top-k chose
+            (``live_expert_ids()``, for agreement metrics).
         forward_only: No backward pass (and no autograd graph).
 
     Returns:
@@ -91,13 +94,14 @@ def run_pass(
         routing = None
         if item.routes is not None:
             routing = moe_routing_for_chunk(model, item.routes.wait(), item.routes.layer_numbers,
-                                            values_checked=True)
+                                            every_token_routed=item.routes.every_token_routed,
+                                            record=record, keep_live_routes=keep_live_routes)
         elif record:
-            routing = moe_routing_for_chunk(model)
+            routing = moe_routing_for_chunk(model, record=True)
         routings[item.index][item.chunk] = routing
         batch = item.batch
         logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params,
-                       moe_routing=routing)
+                       extra_block_kwargs={"moe_routing": routing})
         return logits, partial(loss_fn, item.index, batch)
 
     per_chunk = [

@@ -8,7 +8,8 @@ microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.model_pass
    already in router order) and uses that pass's log-probs as ``logp_old``.
 2. With ``compare``: one more forward-only pass in the other mode (live when
    training replays, R3 replay when training routes live), for the side-by-side
-   mismatch metrics. It runs on the same weights as the update pass.
+   mismatch metrics, and routing agreement with the engine's routes where they
+   exist. It runs on the same weights as the update pass.
 3. The update pass (forward and backward) on the clipped policy-gradient loss
    (:mod:`megatron_r3.policy_loss`), with the rollout engine's routes (R3), the
    recorded ones (R2) or live routing. ``logp_old`` is the rollout engine's
@@ -129,11 +130,15 @@ class PolicyTrainer:
             old_logprobs, train_routes = self._old_logprob_pass(batches)
 
         if settings.compare:
+            # The comparison pass also measures routing agreement: routing live it records what the
+            # trainer chose; replaying it keeps its live top-k. The update pass pays for neither.
             compare_routes = None if settings.trains_with_replay else rollout_routes
-            outputs, routings = run_pass(self.chunks, batches, self._mismatch_loss, routes=compare_routes)
+            outputs, routings = run_pass(self.chunks, batches, self._mismatch_loss, routes=compare_routes,
+                                         record=compare_routes is None and rollout_routes is not None,
+                                         keep_live_routes=compare_routes is not None)
             self._add_mismatch(sums, "mismatch/live" if settings.trains_with_replay else "mismatch/replay", outputs)
-            if compare_routes is not None:
-                self._add_agreement(sums, routings)
+            if rollout_routes is not None:
+                self._add_agreement(sums, rollout_routes, routings)
 
         self.optimizer.zero_grad(set_to_none=True)
         loss_fn = _PolicyLoss(old_logprobs, settings)
@@ -142,8 +147,6 @@ class PolicyTrainer:
         if self._tp_rank == 0:
             for out in outputs:
                 sums["loss"] += out["loss"].to(sums["loss"].device)
-        if train_routes is not None:
-            self._add_agreement(sums, routings)
         if is_replica_lead():
             self._add_replica_counts(sums, samples, rewards)
 
@@ -164,7 +167,8 @@ class PolicyTrainer:
             return no_loss({"logprobs": token_logprobs(logits, batch.labels, temperature)}, logits)
 
         outputs, routings = run_pass(self.chunks, batches, logprobs, record=True)
-        recorded = [[PackedRoutes(r.recorded_expert_ids(), tuple(r.layer_numbers)) for r in per_chunk]
+        recorded = [[PackedRoutes(r.recorded_expert_ids(), tuple(r.layer_numbers), every_token_routed=True)
+                     for r in per_chunk]
                     for per_chunk in routings]
         old = [out["logprobs"] for out in outputs] or [None] * len(batches)  # only the last stage has them
         return old, recorded
@@ -186,15 +190,16 @@ class PolicyTrainer:
             for out in outputs:
                 sums[key] += out["mismatch"].to(sums[key].device)
 
-    def _add_agreement(self, sums, routings) -> None:
+    def _add_agreement(self, sums, rollout_routes, routings) -> None:
         # Without SP every TP rank routes the same tokens; with SP each routes its own slice.
         if self._tp_rank != 0 and not self.config.sequence_parallel:
             return
-        for per_chunk in routings:
-            for routing in per_chunk:
-                if routing is not None:
-                    sums["agreement"] += routing_agreement_counts(routing, self.spec.moe_layer_numbers).to(
-                        sums["agreement"].device)
+        for per_chunk_routes, per_chunk in zip(rollout_routes, routings):
+            for routes, routing in zip(per_chunk_routes, per_chunk):
+                trainer = routing.live_expert_ids() if routing.keep_live_routes else routing.recorded_expert_ids()
+                sums["agreement"] += routing_agreement_counts(
+                    routes.expert_ids, trainer, routing.layer_numbers, self.spec.moe_layer_numbers
+                ).to(sums["agreement"].device)
 
     def _add_replica_counts(self, sums, samples: Sequence[RolloutSample], rewards) -> None:
         tokens = sum(len(s.token_ids) for s in samples)

@@ -1,22 +1,27 @@
 """A step's microbatches, each prepared once and one ahead of its use, for every model chunk.
 
-Megatron's schedules call ``prefetch_next()`` on the data iterator a forward step drew
-from as soon as that microbatch's forward has been issued (patch "pipeline_parallel:
-schedules let the data iterator prefetch the next microbatch"). The iterators here
-answer by preparing the next microbatch: host packing, route upload on a side stream,
-the exchange of host split sizes. Preparation covers every model chunk of the rank at
-once (one upload and one exchange per microbatch, not per chunk), so under interleaved
-1F1B a microbatch is ready for all chunks once any chunk asked for it. The host thus
-prepares microbatch i + 1 while the device runs microbatch i, and a forward step never
-waits for its routes, except the step's very first microbatch.
+Megatron's schedules call ``config.microbatch_prefetch_func`` as soon as a microbatch's
+forward has been issued (patch "pipeline_parallel: schedules call
+config.microbatch_prefetch_func after each forward"). :meth:`PreparedMicrobatches.prefetch`
+is that callable: it prepares the microbatch after the last one any chunk has taken (host
+packing, route upload on a side stream, the exchange of host split sizes), so the host
+prepares microbatch i + 1 while the device runs microbatch i, and a forward step never waits
+for its routes, except the step's very first microbatch. Preparation covers every model chunk
+of the rank at once (one upload and one exchange per microbatch, not per chunk), so under
+interleaved 1F1B a microbatch is ready for all chunks once any chunk asked for it.
 
-Preparation may include collectives (the exchange of split sizes): every rank of a
-group runs the same schedule, so they prepare microbatches in the same order.
+The hook is a config callable, not a method of the data iterator, so it works whatever wraps
+the iterators (Megatron-LM's training loop wraps them in ``RerunDataIterator``). Use
+:meth:`PreparedMicrobatches.installed` around the schedule call.
+
+Preparation may include collectives (the exchange of split sizes): every rank of a group
+runs the same schedule, so they prepare microbatches in the same order.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Optional, Sequence
 
 
 class PreparedMicrobatches:
@@ -38,6 +43,7 @@ class PreparedMicrobatches:
         self.prepared_on_demand = 0
         self._prepare = prepare
         self._items: dict[int, list] = {}  # microbatch -> per chunk, None once handed out
+        self._next_new = 0  # the first microbatch no chunk has taken yet
         self._iterators = [_ChunkIterator(self, chunk) for chunk in range(num_chunks)]
 
     def iterators(self) -> list["_ChunkIterator"]:
@@ -47,6 +53,20 @@ class PreparedMicrobatches:
     def data_iterator(self):
         """``get_forward_backward_func``'s ``data_iterator``: the iterator, or a list with VP."""
         return self._iterators[0] if self.num_chunks == 1 else self.iterators()
+
+    def prefetch(self, vp_stage: Optional[int] = None) -> None:
+        """Prepare the next microbatch no chunk has taken yet (the schedules' prefetch hook)."""
+        self._ensure(self._next_new)
+
+    @contextlib.contextmanager
+    def installed(self, config):
+        """Install :meth:`prefetch` as ``config.microbatch_prefetch_func`` for the schedule call."""
+        previous = config.microbatch_prefetch_func
+        config.microbatch_prefetch_func = self.prefetch
+        try:
+            yield self
+        finally:
+            config.microbatch_prefetch_func = previous
 
     def _ensure(self, index: int) -> None:
         if index < self.num_microbatches and index not in self._items:
@@ -59,19 +79,22 @@ class PreparedMicrobatches:
         if index >= self.num_microbatches:
             raise StopIteration
         if index not in self._items:
+            if index < self._next_new:
+                raise RuntimeError(f"microbatch {index} was already taken on chunk {chunk}")
             self.prepared_on_demand += 1
             self._ensure(index)
         items = self._items[index]
         item, items[chunk] = items[chunk], None
         if item is None:
             raise RuntimeError(f"microbatch {index} was already taken on chunk {chunk}")
+        self._next_new = max(self._next_new, index + 1)
         if all(i is None for i in items):
             del self._items[index]  # every chunk has it: drop it (its device buffers with it)
         return item
 
 
 class _ChunkIterator:
-    """One model chunk's data iterator; ``prefetch_next`` is what the schedules call."""
+    """One model chunk's data iterator: microbatch 0, 1, ... of the step."""
 
     def __init__(self, owner: PreparedMicrobatches, chunk: int):
         self._owner = owner
@@ -85,7 +108,3 @@ class _ChunkIterator:
         item = self._owner._take(self._position, self._chunk)
         self._position += 1
         return item
-
-    def prefetch_next(self) -> None:
-        """Prepare the microbatch the next ``next()`` returns (all chunks' parts), if any."""
-        self._owner._ensure(self._position)

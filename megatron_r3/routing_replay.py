@@ -3,14 +3,14 @@
 The data plane produces, per microbatch and per model chunk, an int64 device tensor
 ``expert_ids [num_local_moe_layers, num_local_tokens, topk]`` (rows of all -1: no route)
 and the ``layer_numbers`` its dim 0 follows. A forward step wraps it for the model chunk it
-runs, on every pipeline stage (stages without input ids still route their own layers):
+runs, on every pipeline stage (stages without input ids still route their own layers), and
+hands it to the model through GPTModel's ``extra_block_kwargs``:
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        routing = moe_routing_for_chunk(model, batch["expert_ids"], batch["layer_numbers"],
-                                        values_checked=True)  # validated on the host
-        output = model(batch["tokens"], batch["position_ids"], None,
-                       labels=batch["labels"], moe_routing=routing)
+        routing = moe_routing_for_chunk(model, batch["expert_ids"], batch["layer_numbers"])
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       extra_block_kwargs={"moe_routing": routing})
         return output, loss_func
 
 See docs/routing_replay.md.
@@ -52,8 +52,10 @@ def moe_routing_for_chunk(
     model_chunk,
     expert_ids: Optional[torch.Tensor] = None,
     layer_numbers: Optional[Sequence[int]] = None,
-    values_checked: bool = False,
+    every_token_routed: bool = False,
     host_tokens_per_expert: Optional[torch.Tensor] = None,
+    record: bool = False,
+    keep_live_routes: bool = False,
 ) -> MoERouting:
     """A MoERouting for one microbatch on ``model_chunk``.
 
@@ -63,13 +65,15 @@ def moe_routing_for_chunk(
             to route live (the routes taken are recorded either way).
         layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
             chunk does not build are dropped. Default: exactly the chunk's MoE layers.
-        values_checked: the ids were validated on the host before upload (true of routes
-            from :class:`megatron_r3.transport.RouteUploader`): skip the model's value check
-            and its device sync.
+        every_token_routed: no row of ``expert_ids`` is -1 (known on the host): the routers
+            only gather the replayed ids, no live top-k runs.
         host_tokens_per_expert: int64 CPU ``[tp_ep_size, len(layer_numbers), num_experts]``
             token counts of every rank of the expert tensor-and-model-parallel group, when
             every token replays a route (:mod:`megatron_r3.expert_counts`): the alltoall
             dispatcher then takes its split sizes from the host, with no device sync.
+        record: keep the routes every layer takes (``recorded_expert_ids()``).
+        keep_live_routes: also keep what the routers' own top-k chose
+            (``live_expert_ids()``, for agreement metrics; costs a live top-k per layer).
     """
     chunk_layers = moe_layer_numbers(model_chunk)
     if expert_ids is not None and layer_numbers is not None:
@@ -89,8 +93,10 @@ def moe_routing_for_chunk(
     return MoERouting(
         layer_numbers=chunk_layers,
         expert_ids=expert_ids,
-        values_checked=values_checked,
+        every_token_routed=every_token_routed and expert_ids is not None,
         host_tokens_per_expert=host_tokens_per_expert,
+        record=record,
+        keep_live_routes=keep_live_routes,
     )
 
 
@@ -104,11 +110,18 @@ def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.Argumen
         "the moe_routing forward input; rejects options that would ignore the replayed routes.",
     )
     group.add_argument(
-        "--no-moe-routing-replay-check-values",
-        dest="moe_routing_replay_check_values",
+        "--moe-routing-replay-check-values",
+        action="store_true",
+        help="Also check the replayed expert ids on the device before each forward (range, "
+        "duplicates, partly -1 rows): one device sync per forward. Routes from the data plane "
+        "are validated on the host already; shapes are always checked.",
+    )
+    group.add_argument(
+        "--no-moe-check-host-tokens-per-expert",
+        dest="moe_check_host_tokens_per_expert",
         action="store_false",
-        help="Skip the host-side value check of replayed expert ids (range, duplicates, partly "
-        "-1 rows) before each forward; shapes are still checked. Saves one device sync.",
+        help="Skip the per-expert device check (an asynchronous assert, no sync) of the host "
+        "token counts the alltoall dispatcher takes its split sizes from under replay.",
     )
     return parser
 
@@ -118,4 +131,5 @@ def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
     return {
         "moe_enable_routing_replay": args.moe_enable_routing_replay,
         "moe_routing_replay_check_values": args.moe_routing_replay_check_values,
+        "moe_check_host_tokens_per_expert": args.moe_check_host_tokens_per_expert,
     }

@@ -41,10 +41,12 @@ class PackedRoutes:
         expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` on the
             device, in router token order; a row of -1 means "no route".
         layer_numbers: The chunk's MoE layer numbers (1-based, increasing), one per dim-0 row.
+        every_token_routed: No row is -1, as known on the host: the routers need no live top-k.
     """
 
     expert_ids: torch.Tensor
     layer_numbers: tuple[int, ...]
+    every_token_routed: bool = False
     ready: Optional[torch.cuda.Event] = None
 
     def wait(self, stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
@@ -115,11 +117,13 @@ class RouteUploader:
         for plan in plans:
             arrays += [(plan.token_index, 2), (plan.layer_index, 2)]
         layout, nbytes = _layout(arrays)
+        valid = np.concatenate([s.valid for s in samples])
+        complete = [bool((plan.token_index >= 0).all() and valid[plan.token_index].all()) for plan in plans]
 
         if self._stream is None:
             staging = torch.empty(nbytes, dtype=torch.uint8)
             _fill(staging.numpy(), arrays, layout)
-            return self._pack(staging, head, num_tokens, plans, layout, len(samples))
+            return self._pack(staging, head, num_tokens, plans, layout, len(samples), complete)
 
         slot = self._take(nbytes)
         _fill(slot.host.numpy(), arrays, layout)
@@ -128,7 +132,7 @@ class RouteUploader:
             device_bytes.copy_(slot.host[:nbytes], non_blocking=True)
             slot.copied = torch.cuda.Event()
             slot.copied.record(self._stream)
-            packed = self._pack(device_bytes, head, num_tokens, plans, layout, len(samples))
+            packed = self._pack(device_bytes, head, num_tokens, plans, layout, len(samples), complete)
             done = torch.cuda.Event()
             done.record(self._stream)
         for p in packed:
@@ -151,7 +155,7 @@ class RouteUploader:
         return slot
 
     @staticmethod
-    def _pack(buffer, head, num_tokens, plans, layout, num_samples) -> list[PackedRoutes]:
+    def _pack(buffer, head, num_tokens, plans, layout, num_samples, complete) -> list[PackedRoutes]:
         ids_dtype = torch.uint8 if head.ids.dtype == np.uint8 else torch.int16
         ids_start = layout[0][0]
         valid_start = layout[num_samples][0]
@@ -164,7 +168,7 @@ class RouteUploader:
             lay_at, _ = layout[2 * num_samples + 2 * i + 1]
             tok = buffer[tok_at : tok_at + 4 * plan.num_local_tokens].view(torch.int32)
             lay = buffer[lay_at : lay_at + 4 * plan.num_local_layers].view(torch.int32)
-            out.append(PackedRoutes(gather_routes(ids, valid, tok, lay), plan.layer_numbers))
+            out.append(PackedRoutes(gather_routes(ids, valid, tok, lay), plan.layer_numbers, complete[i]))
         return out
 
 

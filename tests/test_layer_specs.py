@@ -23,7 +23,7 @@ def test_dense_and_moe_layer_specs():
         attention = spec.submodules.self_attention.submodules
         assert attention.core_attention is ContextParallelDotProductAttention
     assert dense.submodules.mlp.module is MLP
-    assert moe.submodules.mlp.module is MoELayer
+    assert moe.submodules.mlp.func is MoELayer  # 0.19 builds MoE layers from a partial
     qk = get_gpt_layer_r3_spec(qk_layernorm=True).submodules.self_attention.submodules
     assert qk.q_layernorm is SequenceParallelNorm and qk.k_layernorm is SequenceParallelNorm
 

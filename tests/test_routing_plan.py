@@ -32,9 +32,11 @@ class _Group:
 
 def _megatron_cp(labels, cp_size, cp_rank, monkeypatch):
     """labels [b, s] -> this CP rank's [b, s/cp] via get_batch_on_this_cp_rank."""
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp_size)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: cp_rank)
-    return mcore_utils.get_batch_on_this_cp_rank({"tokens": labels.clone()})["tokens"]
+    group = _Group(cp_size, cp_rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: g.size())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda g=None: g.rank())
+    batch = mcore_utils.get_batch_on_this_cp_rank({"tokens": labels.clone()}, is_hybrid_cp=False, cp_group=group)
+    return batch["tokens"]
 
 
 def _megatron_router_order(labels_bs, rank, monkeypatch):

@@ -137,7 +137,9 @@ def bshd_microbatches(
             "position_ids": positions.repeat(len(seqs), 1),
             "token_index": torch.stack([offsets[i] + positions for i in seqs]),
         }
-        batch = get_batch_on_this_cp_rank(batch)
+        batch = get_batch_on_this_cp_rank(
+            batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+        )
         out.append(Microbatch(**batch, seq_length=length).to(device))
     return out
 
