@@ -40,3 +40,4 @@ def megatron_on_cpu(request, monkeypatch):
     """
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)

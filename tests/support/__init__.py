@@ -14,6 +14,5 @@
 * ``routes``: router rows -> global token ids; ``RouterRecorder``.
 * ``harness``: ``run_layout``, the one-step worker, and the parent-side
   ``full_token_losses`` / ``full_grads`` / ``routes``.
-* ``cpu_rng``: Megatron's RNG tracker on CPU generators.
 * ``counting_file``: ``CountingFile``, an in-memory file counting the bytes read.
 """

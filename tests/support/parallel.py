@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from tests.support.cpu_rng import install_cpu_rng
 from tests.support.launcher import worker_device
 
 
@@ -95,9 +94,7 @@ def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
         create_gloo_process_groups=False,
     )
     device = worker_device()
-    if device.type == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        install_cpu_rng(seed)
+    # Without CUDA the series gives Megatron a CPU RNG tracker (same named states).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return device
 

@@ -11,7 +11,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from tests.support.cpu_rng import install_cpu_rng
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 NUM_EXPERTS = 8
 TOPK = 2
@@ -26,7 +26,7 @@ def init_single_rank():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    install_cpu_rng()
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 
 def make_config(**overrides):
@@ -55,7 +55,7 @@ def make_config(**overrides):
 
 def make_model(config, seed=7):
     """A GPTModel with deterministic weights for ``seed``."""
-    install_cpu_rng(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
     return GPTModel(
         config,
