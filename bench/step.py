@@ -9,7 +9,7 @@ bf16) and the same data run one training step (forward and backward of
 
 * ``live``: the router decides (no replay);
 * ``upstream``: upstream ``RouterReplay`` replays the routes (global action and list);
-* ``replay``: ``MoERouting`` replays the same routes (``values_checked=True``);
+* ``replay``: ``MoERouting`` replays the same routes (``every_token_routed=True``);
 * ``replay+host-splits``: as ``replay``, and each microbatch also carries the host token
   counts of the expert tensor-and-model-parallel group (counted from the host routes and
   exchanged once per microbatch, inside the timed step, through
@@ -152,9 +152,10 @@ def forward_step(data_iterator, model, variant):
         RouterReplay.set_replay_data(mb["per_layer"])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     elif variant != "live":
-        routing = moe_routing_for_chunk(model, mb["expert_ids"], values_checked=True,
+        routing = moe_routing_for_chunk(model, mb["expert_ids"], every_token_routed=True,
                                         host_tokens_per_expert=item.get("host_counts"))
-    loss = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"], moe_routing=routing)
+    loss = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
+                 extra_block_kwargs={"moe_routing": routing})
     if variant == "upstream":
         RouterReplay.clear_global_router_replay_action()
 
@@ -179,15 +180,16 @@ def run_step(variant, model, data, exchange, args):
         return [item]
 
     prepared = PreparedMicrobatches(args.microbatches, prepare)
-    get_forward_backward_func()(
-        forward_step_func=partial(forward_step, variant=variant),
-        data_iterator=prepared.data_iterator(),
-        model=[model],
-        num_microbatches=args.microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-    )
+    with prepared.installed(model.config):
+        get_forward_backward_func()(
+            forward_step_func=partial(forward_step, variant=variant),
+            data_iterator=prepared.data_iterator(),
+            model=[model],
+            num_microbatches=args.microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
     issued = time.perf_counter() - start
     if variant == "upstream":
         RouterReplay.clear_global_indices()  # its backward list grows otherwise

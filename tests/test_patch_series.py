@@ -38,7 +38,7 @@ def test_apply_to_checkout_then_refuse_second_time(megatron_sdist, tmp_path):
     first = run_tool("apply", str(tree))
     assert first.returncode == 0, first.stderr
     changed = subprocess.run(["git", "diff", "--name-only"], cwd=tree, capture_output=True, text=True)
-    assert "megatron/core/transformer/moe/moe_utils.py" in changed.stdout
+    assert "megatron/core/transformer/moe/router.py" in changed.stdout
     second = run_tool("apply", str(tree))
     assert second.returncode == 1
     assert "already has the megatron-r3 series applied" in second.stderr
@@ -59,10 +59,11 @@ def test_plain_git_apply_of_the_diffs_in_name_order(megatron_sdist, tmp_path):
 def test_refuse_wrong_base(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
     info = tree / "megatron/core/package_info.py"
-    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 15"))
+    info.write_text(info.read_text().replace("MINOR = 19", "MINOR = 16").replace("PATCH = 2", "PATCH = 1"))
     proc = run_tool("apply", str(tree))
     assert proc.returncode == 1
-    assert "Megatron-Core 0.15.1" in proc.stderr and "targets 0.16.1" in proc.stderr
+    assert "Megatron-Core 0.16.1" in proc.stderr and "targets 0.19.2" in proc.stderr
+    assert "core_v0.19.0" in proc.stderr and "0.16.1 is named in the README" in proc.stderr
     assert subprocess.run(["git", "diff", "--quiet", "--", "megatron/core/transformer"], cwd=tree).returncode == 0
 
 
@@ -89,11 +90,12 @@ def test_check_rejects_a_patch_without_header(megatron_sdist, tmp_path, monkeypa
 def test_installed_megatron_is_the_patched_fork():
     import importlib.metadata
 
-    assert importlib.metadata.version("megatron-core") == "0.16.1+r3"
-    from megatron.core.transformer.moe import moe_utils
+    assert importlib.metadata.version("megatron-core") == "0.19.2+r3"
+    from megatron.core.transformer.moe import moe_routing, paged_stash
 
-    # 0001: the TE fallbacks exist even without TransformerEngine.
-    assert hasattr(moe_utils, "te_general_gemm")
+    # The replay patches are in, and Megatron imports without Triton (the kernels load lazily).
+    assert hasattr(moe_routing, "MoERouting")
+    assert not hasattr(paged_stash, "paged_stash_copy_kernel")
 
 
 def test_a_late_conflict_leaves_the_tree_untouched(megatron_sdist, tmp_path):

@@ -56,11 +56,13 @@ def test_flags_map_to_config_fields():
     args = parser.parse_args(["--moe-enable-routing-replay"])
     assert routing_replay_config_kwargs(args) == {
         "moe_enable_routing_replay": True,
-        "moe_routing_replay_check_values": True,
+        "moe_routing_replay_check_values": False,
+        "moe_check_host_tokens_per_expert": True,
     }
-    args = parser.parse_args(["--no-moe-routing-replay-check-values"])
+    args = parser.parse_args(["--moe-routing-replay-check-values", "--no-moe-check-host-tokens-per-expert"])
     assert routing_replay_config_kwargs(args) == {
         "moe_enable_routing_replay": False,
-        "moe_routing_replay_check_values": False,
+        "moe_routing_replay_check_values": True,
+        "moe_check_host_tokens_per_expert": False,
     }
     make_config(**routing_replay_config_kwargs(parser.parse_args(["--moe-enable-routing-replay"])))

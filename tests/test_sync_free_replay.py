@@ -28,9 +28,9 @@ FORCED = random_forced_routes(MODEL, DATA.num_tokens, seed=6)
 
 def prepared_forward_step(data_iterator, model):
     mb, expert_ids, host_counts = next(data_iterator)
-    routing = moe_routing_for_chunk(model, expert_ids, values_checked=True, host_tokens_per_expert=host_counts)
+    routing = moe_routing_for_chunk(model, expert_ids, every_token_routed=True, host_tokens_per_expert=host_counts)
     per_token_loss = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                           labels=mb.labels, moe_routing=routing)
+                           labels=mb.labels, extra_block_kwargs={"moe_routing": routing})
     return per_token_loss, partial(loss_func, mb)
 
 

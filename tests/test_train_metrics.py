@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_r3.routing_agreement import routing_agreement_counts
-from megatron_r3.routing_replay import MoERouting
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, metric_keys, progress_line, zero_sums
 
 LAYERS = (2, 4)
@@ -63,21 +62,16 @@ def test_unmeasured_values_are_none_and_the_progress_line_leaves_them_out(tmp_pa
     assert [r["iteration"] for r in rows] == [3, 4] and rows[1]["loss"] is None and rows[0] == metrics
 
 
-def test_agreement_counts_replayed_pairs_where_the_live_top_k_set_is_the_same():
-    given = torch.tensor([[[0, 1], [2, 3], [-1, -1]],      # layer 2: two replayed tokens, one live
-                          [[1, 0], [3, 2], [0, 1]]])       # layer 4: three replayed tokens
-    live = torch.tensor([[[1, 0], [2, 1], [0, 1]],
-                         [[0, 1], [2, 3], [1, 2]]])
-    routing = MoERouting(layer_numbers=[2, 4], expert_ids=given)
-    for row, n in enumerate((2, 4)):
-        taken = torch.where(given[row] >= 0, given[row], live[row])
-        routing.record_layer(n, taken, live[row])
-    counts = routing_agreement_counts(routing, (2, 4, 6))
+def test_agreement_counts_engine_routed_pairs_where_the_trainer_chose_the_same_set():
+    engine = torch.tensor([[[0, 1], [2, 3], [-1, -1]],      # layer 2: two routed tokens, one without
+                           [[1, 0], [3, 2], [0, 1]]])       # layer 4: three routed tokens
+    trainer = torch.tensor([[[1, 0], [2, 1], [0, 1]],
+                            [[0, 1], [2, 3], [1, 2]]])
+    counts = routing_agreement_counts(engine, trainer, [2, 4], (2, 4, 6))
     # Layer 2: {0,1} = {1,0} agrees, {2,3} != {2,1}; layer 4: first two agree as sets, third does not.
     np.testing.assert_array_equal(counts.numpy(), [[1, 2, 0], [2, 3, 0]])
 
 
-def test_a_routing_without_replay_counts_nothing():
-    routing = MoERouting(layer_numbers=[2])
-    routing.record_layer(2, torch.tensor([[0, 1]]))
-    assert routing_agreement_counts(routing, (2,)).sum() == 0
+def test_a_chunk_without_moe_layers_counts_nothing():
+    empty = torch.empty((0, 3, 2), dtype=torch.int64)
+    assert routing_agreement_counts(empty, empty, [], (2,)).sum() == 0

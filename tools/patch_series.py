@@ -161,7 +161,8 @@ def apply_series(tree):
     files = series_files()
     for path in files:
         check_header(path)
-    if run_patch(tree, files[0], dry_run=True, reverse=True)[0] == 0:
+    # The last patch's hunks are not touched again by any patch after it.
+    if run_patch(tree, files[-1], dry_run=True, reverse=True)[0] == 0:
         raise SeriesError(f"{tree} already has the megatron-r3 series applied")
     with tempfile.TemporaryDirectory() as scratch:
         shutil.copytree(tree / "megatron", Path(scratch) / "megatron")

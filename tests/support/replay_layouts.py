@@ -71,12 +71,15 @@ def replay_forward_step(
     mb = next(data_iterator)
     token_index = router_token_index(mb, sequence_parallel)
     expert_ids = host_counts = None
+    complete = False
     if forced is not None:
         expert_ids = chunk_expert_ids(model, token_index, forced)
+        complete = bool((expert_ids >= 0).all())  # on the host, before the upload
         if exchange is not None:
             (host_counts,) = exchange.gather([_counts(expert_ids, exchange.num_experts)], [len(expert_ids)])
         expert_ids = expert_ids.to(mb.tokens.device)
-    routing = moe_routing_for_chunk(model, expert_ids, host_tokens_per_expert=host_counts)
+    routing = moe_routing_for_chunk(model, expert_ids, every_token_routed=complete,
+                                    host_tokens_per_expert=host_counts, record=True)
     if recordings is not None:
         recordings.append((token_index.cpu(), routing))
     # Only the first stage gets token ids: later stages count their router rows from the
@@ -89,7 +92,7 @@ def replay_forward_step(
             attention_mask=None,
             labels=mb.labels,
             packed_seq_params=mb.packed_seq_params,
-            moe_routing=routing,
+            extra_block_kwargs={"moe_routing": routing},
         )
     return per_token_loss, partial(loss_func, mb)
 
