@@ -17,9 +17,9 @@ keys (``None`` where the iteration did not measure a value):
   ``k3_kl`` (mean ``exp(d) - 1 - d``), ``frac_abs_gt_ln2`` and ``frac_abs_gt_ln5``
   (fraction of tokens with ``|d| > ln 2``, ``> ln 5``: ratio outside ``[1/2, 2]``,
   ``[1/5, 5]``);
-* ``routing/agreement``: over replayed (token, MoE layer) pairs, the fraction where the
-  trainer's own live top-k set equals the replayed route; ``routing/agreement/layer_<n>``
-  the same per MoE layer number ``n``;
+* ``routing/agreement``: over (token, MoE layer) pairs with an engine route, the fraction
+  where the trainer's own top-k set equals the engine's (measured in the comparison pass);
+  ``routing/agreement/layer_<n>`` the same per MoE layer number ``n``;
 * ``routing/replayed_tokens``, ``routing/live_tokens``: tokens the training pass
   routed by replay and by the live router (replay coverage; padding not counted).
 """

@@ -96,7 +96,8 @@ def capture_passes():
 
     def wrap(owner, original):
         def run_pass(chunks, microbatches, loss_fn, **kwargs):
-            outputs, routings = original(chunks, microbatches, loss_fn, **kwargs)
+            # Record every pass (also those the loop does not record) to see the routes taken.
+            outputs, routings = original(chunks, microbatches, loss_fn, **{**kwargs, "record": True})
             passes.append({
                 "owner": owner, "record": kwargs.get("record", False),
                 "forward_only": kwargs.get("forward_only", True),
@@ -197,7 +198,8 @@ def test_r2_update_pass_replays_the_routes_of_the_old_logprob_pass():
             for recorded, given, taken in zip(old_chunks, given_chunks, taken_chunks):
                 assert torch.equal(given, recorded) and torch.equal(taken, recorded)
         history = result["history"][0]
-        assert history["routing/agreement"] == 1.0  # the same weights route the same way
+        # Agreement compares the trainer with the engine's routes, which R2 does not use.
+        assert history["routing/agreement"] is None
         assert history["routing/live_tokens"] == 0 and history["mismatch/live/k3_kl"] is None
 
 
