@@ -13,7 +13,9 @@ bf16) and the same data run one training step (forward and backward of
 * ``replay+host-splits``: as ``replay``, and each microbatch also carries the host token
   counts of the expert tensor-and-model-parallel group (counted from the host routes and
   exchanged once per microbatch, inside the timed step, through
-  ``megatron_r3.prefetch.PreparedMicrobatches``): the alltoall dispatcher's sync-free path.
+  ``megatron_r3.prefetch.PreparedMicrobatches``): the alltoall dispatcher's sync-free path,
+  with its per-expert check of the counts (an asynchronous device assert, on by default);
+* ``replay+host-splits-unchecked``: the same without that check, to price it.
 
 For each it reports the host syncs of one step (``torch.cuda.set_sync_debug_mode``
 warnings, plus event/stream/device synchronisations made from Python) and the step
@@ -53,7 +55,7 @@ from megatron_r3.routes import RolloutRoutes, concat_routes
 from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
 from megatron_r3.transport import RouteUploader
 
-VARIANTS = ("live", "upstream", "replay", "replay+host-splits")
+VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
 
 
 def parse_args(argv=None):
@@ -169,11 +171,12 @@ def forward_step(data_iterator, model, variant):
 def run_step(variant, model, data, exchange, args):
     """One training step; returns the seconds until the call returned (host issue time)."""
     start = time.perf_counter()
+    model.config.moe_check_host_tokens_per_expert = variant != "replay+host-splits-unchecked"
     model.zero_grad(set_to_none=True)
 
     def prepare(index):
         item = {"microbatch": data.microbatches[index]}
-        if variant == "replay+host-splits":
+        if variant.startswith("replay+host-splits"):
             ids, valid = data.microbatches[index]["host_routes"]
             local = local_expert_counts(ids, valid, data.plan, data.num_experts)
             (item["host_counts"],) = exchange.gather([local], [data.plan.num_local_layers])
@@ -320,6 +323,13 @@ def render(args, device, syncs, per_round, issue, device_ms) -> str:
             f"{device_ms.get(v, float('nan')):.2f} | {median[v] / median['upstream']:.3f} | "
             f"{median[v] / median['live']:.3f} |"
         )
+    issue_median = {v: statistics.median(issue[v]) for v in VARIANTS}
+    lines += [
+        "",
+        f"Host issue time, `replay` vs `upstream`: {issue_median['replay'] / issue_median['upstream']:.3f}. "
+        f"Per-expert check of the host counts: "
+        f"{median['replay+host-splits'] / median['replay+host-splits-unchecked'] - 1:+.2%} of the step.",
+    ]
     return "\n".join(lines) + "\n"
 
 

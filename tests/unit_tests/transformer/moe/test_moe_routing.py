@@ -260,6 +260,28 @@ class TestMoERoutingRouter:
         want = NUM_EXPERTS * (counts / (18 * TOPK) * torch.softmax(logits, -1).mean(0)).sum()
         torch.testing.assert_close(got[self.LAYER - 1], want, rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("every_token_routed", [True, False])
+    def test_replay_forward_and_backward_do_not_sync_the_device(self, every_token_routed):
+        router = self._router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        ids = _random_routes(1, 18, seed=4).cuda()
+        if not every_token_routed:
+            ids[0, ::3] = -1
+
+        def step():
+            hidden = torch.randn(6, 3, HIDDEN, device="cuda", requires_grad=True)
+            routing = MoERouting([self.LAYER], expert_ids=ids, every_token_routed=every_token_routed)
+            probs, _ = router(hidden, moe_routing=routing)
+            probs.sum().backward()
+
+        step()  # the first call moves the gate to the GPU
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
     def test_a_router_replay_action_and_a_moe_routing_are_exclusive(self):
         router = self._router()
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
