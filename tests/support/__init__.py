@@ -16,4 +16,6 @@
   ``full_token_losses`` / ``full_grads`` / ``routes``.
 * ``cpu_rng``: Megatron's RNG tracker on CPU generators.
 * ``counting_file``: ``CountingFile``, an in-memory file counting the bytes read.
+* ``planted``: ``unchecked_writer`` (dumps holding what the writer refuses) and
+  ``snapshot`` (checksums of a folder's files, before and after a refusal).
 """
