@@ -61,6 +61,13 @@ class RoutingSpec:
     num_experts: int
     topk: int
 
+    def __post_init__(self):
+        # Named by the flags that set them (the launcher's and the tools'), before any route is read.
+        if self.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.topk} must lie in [1, --num-experts {self.num_experts}]")
+
     @classmethod
     def from_config(cls, config: Any) -> "RoutingSpec":
         """From a Megatron ``TransformerConfig`` (``num_layers``, ``moe_layer_freq``,

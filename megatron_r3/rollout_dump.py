@@ -464,6 +464,8 @@ class RolloutDumpReader:
             raise corrupt(f"index offset {index_at} lies outside the file of {size} bytes")
         self._file.seek(self._base + index_at)
         magic, length, crc = _RECORD_HEAD.unpack(self._file.read(_RECORD_HEAD.size))
+        if magic == INDEX_MAGIC and index_at + _RECORD_HEAD.size + length + _TRAILER.size < size:
+            self._check_footer_end(index_at)  # a whole footer, then bytes that end like one
         if magic != INDEX_MAGIC or index_at + _RECORD_HEAD.size + length + _TRAILER.size != size:
             raise corrupt(f"no index record of the right length at offset {index_at}")
         body = self._file.read(length)

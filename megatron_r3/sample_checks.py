@@ -88,7 +88,7 @@ def check_logprobs(logprobs: Sequence[float], where: str, field: str = "logprobs
     if bad.any():
         i = int(np.argmax(bad))
         raise SampleValueError(
-            f"{where}: token {first_token + i}: {field}[{i}] = {values[i]!r}: a rollout log-prob must be finite "
+            f"{where}: token {first_token + i}: {field}[{i}] = {float(values[i])}: a rollout log-prob must be finite "
             f"and <= 0 ({int(bad.sum())} such tokens)"
         )
 
