@@ -573,7 +573,8 @@ class RolloutDumpReader:
         self.close()
 
 
-def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int] = None) -> dict[str, Optional[int]]:
+def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int] = None, *,
+                  require_loss_field: bool = False) -> dict[str, Optional[int]]:
     """Reads records ``[first, stop)`` front to back, one in memory at a time, and checks each as training would.
 
     Every record's CRC, routes and values (log-probs finite and ``<= 0``, ``reward``
@@ -582,6 +583,8 @@ def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int]
     Args:
         reader: The dump.
         first, stop: The records to read (default: all).
+        require_loss_field: Refuse a record with neither a ``reward`` nor an ``advantage``
+            (the policy-gradient loss needs one).
 
     Returns:
         For each of :data:`~megatron_r3.sample_checks.LOSS_FIELDS`, the first record of the range
@@ -593,6 +596,9 @@ def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int]
     missing: dict[str, Optional[int]] = dict.fromkeys(LOSS_FIELDS)
     for record in range(first, len(reader) if stop is None else stop):
         meta = reader.read(record).meta
+        if require_loss_field and not any(key in meta for key in LOSS_FIELDS):
+            raise RolloutDumpError(f"record {record} has neither 'reward' nor 'advantage' in its metadata: the "
+                                   f"policy-gradient loss needs one")
         for key in LOSS_FIELDS:
             if missing[key] is None and key not in meta:
                 missing[key] = record
