@@ -372,3 +372,135 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
     assert errors == [f"pretrain_gpt_r3.py: error: rollout dump {dump}: record 2: meta['reward'] = nan is not "
                       f"finite"], done.stderr[-3000:]
     assert snapshot(work) == before
+
+
+def _trainer_guards(argv):
+    """PolicyTrainer.step's own checks: samples that enter it, and gradients that are not finite."""
+    from launch import pretrain_gpt_r3 as launcher
+    from megatron_r3.policy_trainer import NonFiniteStepError, _check_finite
+    from megatron_r3.sample_checks import SampleValueError
+
+    args = launcher.parse_args(argv)
+    device = launcher.initialize(args)
+    run = launcher.setup(args, device, lambda line: None)
+    messages = []
+    try:
+        batch = run.source.batch(1)
+        bad = batch.samples[0]
+        bad.logprobs = bad.logprobs.copy()
+        bad.logprobs[3] = np.nan
+        for samples, advantages in ((batch.samples, batch.advantages), (batch.samples[1:] * 2, [0.0, np.inf])):
+            try:
+                run.trainer.step(samples, advantages)
+            except SampleValueError as error:
+                messages.append(str(error))
+        try:  # a finite loss with a gradient that is not
+            _check_finite(0.25, [torch.ones(3), torch.tensor([1.0, np.inf])], device)
+        except NonFiniteStepError as error:
+            messages.append(str(error))
+        return {"messages": messages, "optimizer_state": len(run.trainer.optimizer.state)}
+    finally:
+        run.source.close()
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
+    dump = write_dump(tmp_path / "rollouts.r3dump")
+    (result,) = run_workers(_trainer_guards, 1, DUMP_FLAGS + ["--rollout-dump", dump], backend="gloo")
+    assert result["messages"] == [
+        "sample 0: token 3: logprobs[3] = nan: a rollout log-prob must be finite and <= 0 (1 such tokens)",
+        "sample 1: advantage inf is not finite",
+        "the loss is 0.25 and the gradients' sum of squares over all ranks is inf: not finite, so the optimizer did "
+        "not step and nothing was saved (a weight or an activation overflowed?)",
+    ]
+    assert result["optimizer_state"] == 0
+
+
+# The checks themselves, without ranks.
+
+def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path):
+    from megatron_r3.checkpointing import find_checkpoint
+
+    run = tmp_path / "ckpt"
+    for iteration in (2, 4):
+        (run / f"iter_{iteration:07d}").mkdir(parents=True)
+        (run / f"iter_{iteration:07d}" / "metadata.json").write_text("{}")
+    (run / "iter_0000006.saving").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint in {run}: it has no latest_checkpointed_iteration.txt "
+                                                rf"\(complete iterations \[2, 4\] are there: name one, e\.g\. "
+                                                f"{run / 'iter_0000004'}\\)"):
+        find_checkpoint(str(run))
+    (run / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert find_checkpoint(str(run)) == (str(run), 4)
+    assert find_checkpoint(str(run / "iter_0000002") + "/") == (str(run), 2)
+    for name in ("iter_0000006.saving", "iter_0000003", "iter_2"):
+        with pytest.raises(ValueError, match=rf"{run / name} is not a complete checkpoint; its run's checkpoint "
+                                             rf"directory is {run} \(complete iterations there: \[2, 4\]\)"):
+            find_checkpoint(str(run / name))
+    (run / "latest_checkpointed_iteration.txt").write_text("6\n")
+    with pytest.raises(ValueError, match=r"names iteration 6, whose checkpoint is not complete"):
+        find_checkpoint(str(run))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint directory"):
+        find_checkpoint(str(tmp_path / "file"))
+
+
+def test_save_directory_probe_leaves_nothing_behind(tmp_path):
+    from megatron_r3.checkpointing import save_directory_problem
+
+    assert save_directory_problem(str(tmp_path / "new" / "ckpt")) is None
+    assert save_directory_problem(str(tmp_path)) is None
+    assert os.listdir(tmp_path) == []  # the probe is gone, and the missing folders were not made
+    (tmp_path / "file").write_text("x")
+    assert save_directory_problem(str(tmp_path / "file" / "ckpt")) == f"{tmp_path / 'file'} is a file, not a folder"
+
+
+@pytest.mark.parametrize("exists, resumed, append, overwrite, earlier_attempt, mode, refused", [
+    (False, False, False, False, False, "new", False),
+    (True, False, False, False, False, "new", True),  # another run's file
+    (True, False, True, False, False, "append", False),
+    (True, False, False, True, False, "overwrite", False),
+    (True, True, False, False, False, "resume", False),  # the resumed run's own
+    (True, False, False, False, True, "resume", False),  # a torchrun restart before the first checkpoint
+])
+def test_metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt, mode, refused):
+    from megatron_r3.run_checks import metrics_file_mode
+
+    got, problem = metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt)
+    assert (problem is not None) == refused
+    if not refused:
+        assert got == mode
+
+
+def test_metrics_file_modes_keep_what_they_must(tmp_path):
+    from megatron_r3.train_metrics import MetricsFile
+
+    path = tmp_path / "m.jsonl"
+    lines = "".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3))
+    path.write_text(lines)
+    with pytest.raises(FileExistsError):
+        MetricsFile(str(path))
+    for mode, keep_through, expected in (("append", None, [1, 2, 3, 9]), ("resume", 2, [1, 2, 9]),
+                                         ("overwrite", None, [9])):
+        path.write_text(lines)
+        out = MetricsFile(str(path), mode, keep_through=keep_through)
+        out.write({"iteration": 9})
+        out.close()
+        assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == expected
+    assert sorted(os.listdir(tmp_path)) == ["m.jsonl"]
+
+
+def test_microbatch_problem_names_the_first_microbatch_that_does_not_fit():
+    from megatron_r3.run_checks import microbatch_problem
+
+    lens = [10, 30, 12, 8, 40]  # read cyclically: positions 5, 6, ... are records 0, 1, ...
+    fits = dict(consumed_samples=0, iterations=10, global_batch=4, micro_batch_size=2, alignment=4,
+                first_iteration=1)
+    assert microbatch_problem(lens, seq_length=52, **fits) is None  # the longest pair, 40 + 12, fits
+    assert microbatch_problem(lens, seq_length=51, **fits) == (
+        "--seq-length 51 is too short: iteration 2 packs records [4, 0] of the dump ([40, 10] tokens) into one "
+        "microbatch, which needs 52 positions once each sample is padded to a multiple of 4; raise --seq-length or "
+        "lower --micro-batch-size")
+    assert microbatch_problem(lens, seq_length=51, **{**fits, "iterations": 1}) is None  # never reached
