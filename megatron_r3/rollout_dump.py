@@ -58,7 +58,17 @@ second scan that also reads each record's token ids, 4 bytes per token: about 1%
 of a dump with routes of 48 layers x top-8, about half of one without routes.
 A truncated last record (a writer that died mid-record) is reported, not skipped
 silently, unless the reader is asked to tolerate it; a footer cut short counts
-as no footer.
+as no footer, and bytes after a whole footer are an error. Only a footer tells a
+dump's length: one cut exactly at a record boundary reads as a shorter dump, so
+:attr:`RolloutDumpReader.finished` tells a caller that needs every sample (the
+launcher) whether it has them.
+
+Values: the writer refuses, and the reader refuses in every record it decodes,
+rollout log-probs that are not finite or above 0 and a ``reward`` or
+``advantage`` that is not a finite number (:mod:`megatron_r3.sample_checks`);
+the writer also refuses token ids that are not integers in ``[0, 2**31)``.
+:func:`check_records` reads a range of records once, checking each, before a
+run trains on them.
 
 Versions: version 3 added the footer and left header and records as they were in
 version 2, so a version 2 dump still reads (it is indexed by a scan, like a
