@@ -47,7 +47,7 @@ def value_problems(args: argparse.Namespace) -> list[str]:
                     "moe_router_topk", "moe_ffn_hidden_size", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
                     "recompute_num_layers", "micro_batch_size", "train_iters", "log_interval", "rollouts_per_prompt",
-                    "task_num_symbols", "task_min_symbols", "task_max_symbols",
+                    "task_min_symbols", "task_max_symbols",
                     # None where a default follows from other flags or the feature is off.
                     "num_query_groups", "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "vocab_size", "max_position_embeddings", "global_batch_size",
