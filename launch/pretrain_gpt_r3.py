@@ -72,6 +72,7 @@ from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
 from megatron_r3.plan import RankLayout
 from megatron_r3.policy_loss import group_advantages
+from megatron_r3.output_files import OutputFileError, check_output
 from megatron_r3.policy_trainer import REPLAY_MODES, NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rollout_batch import RowLayout
 from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample, check_dump_fits
@@ -627,6 +628,10 @@ def check_outputs(
                                       args.append_metrics_file, args.overwrite_metrics_file,
                                       _noted_by_an_earlier_attempt(args.metrics_file))
         problem = None if why is None else f"--metrics-file {args.metrics_file} {why}"
+        try:
+            check_output(args.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
+        except OutputFileError as error:
+            problem = problem or str(error)
     raise_on_any_rank(problem)
     return checkpoint, mode
 

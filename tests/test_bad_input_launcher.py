@@ -265,13 +265,14 @@ def test_files_and_dumps_that_cannot_be_used_are_refused_before_training_on_ever
         (base + ["--load", str(work / "missing")], str(work), None),
         (base + ["--load", str(work / "empty" / "iter_0000002")], str(work), None),
         (base[:-2] + ["--metrics-file", str(work / "metrics-of-another-run.jsonl")], str(work), None),
+        (base[:-2] + ["--metrics-file", str(work / "no-such-folder" / "m.jsonl")], str(work), None),
         (dump(work / "cut-at-record.r3dump"), str(work), None),
         (dump(work / "appended.r3dump"), str(work), None),
         (dump(work / "corrupt.r3dump"), str(work), None),
         *[(dump(path), str(work), None) for path in planted.values()],
     ]
     for results in run_cases(tmp_path, 2, cases):
-        (save, empty, missing, iteration, metrics, cut, appended, crc,
+        (save, empty, missing, iteration, metrics, metrics_folder, cut, appended, crc,
          nan_logprob, positive_logprob, nan_reward, inf_advantage, string_reward, mixed) = results
         assert_refused(save, f"--save {work / 'a-file' / 'ckpt'} is not writable on rank 0: {work / 'a-file'} is a "
                              f"file, not a folder (and on ranks [1])")
@@ -285,6 +286,8 @@ def test_files_and_dumps_that_cannot_be_used_are_refused_before_training_on_ever
         assert_refused(metrics, f"--metrics-file {work / 'metrics-of-another-run.jsonl'} exists and this run starts "
                                 f"from scratch, so it belongs to another run: pass --append-metrics-file or "
                                 f"--overwrite-metrics-file")
+        assert_refused(metrics_folder, f"--metrics-file {work / 'no-such-folder' / 'm.jsonl'}: the folder "
+                                       f"{work / 'no-such-folder'} does not exist")
         assert_refused(cut, f"--rollout-dump {work / 'cut-at-record.r3dump'} has no footer (its writer did not finish, "
                             f"or the file was cut), so samples may be missing at its end (4 whole samples are "
                             f"there): pass --allow-truncated-rollout-dump")
