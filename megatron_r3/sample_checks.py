@@ -89,7 +89,7 @@ def check_logprobs(logprobs: Sequence[float], where: str, field: str = "logprobs
         i = int(np.argmax(bad))
         raise SampleValueError(
             f"{where}: token {first_token + i}: {field}[{i}] = {float(values[i])}: a rollout log-prob must be finite "
-            f"and <= 0 ({int(bad.sum())} such tokens)"
+            f"and <= 0 ({int(bad.sum())} of {len(values)} entries are not)"
         )
 
 

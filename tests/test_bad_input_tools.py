@@ -304,7 +304,7 @@ def _with(array, index, value):
 
 BAD_SAMPLES = [
     ("nan log-prob", dict(logprobs=_with(_sample().logprobs, 3, np.nan)),
-     r"token 3: logprobs\[3\] = nan: a rollout log-prob must be finite and <= 0 \(1 such tokens\)"),
+     r"token 3: logprobs\[3\] = nan: a rollout log-prob must be finite and <= 0 \(1 of 6 entries are not\)"),
     ("-inf log-prob", dict(logprobs=_with(_sample().logprobs, 0, -np.inf)), r"token 0: logprobs\[0\] = -inf"),
     ("positive log-prob", dict(logprobs=_with(_sample().logprobs, 5, 5.0)), r"token 5: logprobs\[5\] = 5\.0"),
     ("nan reward", dict(meta={"reward": math.nan}), r"meta\['reward'\] = nan is not finite"),
