@@ -29,12 +29,24 @@ data-parallel size 2). Layers come from ``megatron_r3.layer_specs`` (no
 TransformerEngine needed). ``--save``/``--save-interval`` write checkpoints
 (``megatron_r3.checkpointing``: weights, optimizer, the engine's lagging weights,
 data position, RNG) and ``--load`` resumes from the latest one, under any layout.
+
+Bad input stops the run before its first iteration, with one line naming the
+flags, files or records (``megatron_r3.run_checks``): the flags' arithmetic, an
+unwritable ``--save``, a ``--load`` without a checkpoint (unless
+``--load-optional``), a ``--metrics-file`` of another run (unless
+``--append-metrics-file`` or ``--overwrite-metrics-file``), a dump without its
+footer (unless ``--allow-truncated-rollout-dump``), with bytes after it, or with
+a record that is corrupt or holds a value the loss cannot take. A loss or
+gradients that are not finite stop the step before the optimizer applies it,
+with nothing saved and the iteration named. The process then exits with status
+1 (2 for flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -51,20 +63,32 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_r3.adapters import RoutingSpec
 from megatron_r3.checkpointing import (
     RNGStateNotRestoredWarning,
-    latest_iteration,
+    find_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    save_directory_problem,
 )
 from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
 from megatron_r3.plan import RankLayout
 from megatron_r3.policy_loss import group_advantages
-from megatron_r3.policy_trainer import REPLAY_MODES, PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.output_files import OutputFileError, check_output
+from megatron_r3.policy_trainer import REPLAY_MODES, NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rollout_batch import RowLayout
-from megatron_r3.rollout_dump import RolloutSample, check_dump_fits
-from megatron_r3.rollout_engine import RolloutEngine, SamplingParams
+from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample, check_dump_fits
+from megatron_r3.rollout_engine import RolloutEngine, RolloutEngineError, SamplingParams
 from megatron_r3.rollout_shards import DataParallelDumpShard
 from megatron_r3.routing_replay import add_routing_replay_args, routing_replay_config_kwargs
+from megatron_r3.run_checks import (
+    RunCheckError,
+    check_dump_records,
+    metrics_file_mode,
+    microbatch_problem,
+    raise_on_any_rank,
+    relation_problems,
+    value_problems,
+    world_problems,
+)
 from megatron_r3.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, progress_line
 
@@ -109,6 +133,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,
                           help="train on this rollout dump (megatron_r3.rollout_dump) instead of the built-in engine")
+    training.add_argument("--allow-truncated-rollout-dump", action="store_true",
+                          help="train on a --rollout-dump without its footer (its writer did not finish, or the file "
+                               "was cut), on the whole samples it holds, with a warning; refused by default")
     training.add_argument("--micro-batch-size", type=int, default=8, help="samples packed per microbatch")
     training.add_argument("--global-batch-size", type=int, default=None,
                           help="samples per iteration over all data-parallel ranks (default: 32 in the embedded "
@@ -123,16 +150,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     training.add_argument("--log-interval", type=int, default=1)
     training.add_argument("--metrics-file", default=None,
                           help="one JSON object per logged iteration (a resumed run keeps the lines up to its "
-                               "checkpoint and continues them)")
+                               "checkpoint and continues them; a run from scratch refuses an existing file)")
+    existing_metrics = training.add_mutually_exclusive_group()
+    existing_metrics.add_argument("--append-metrics-file", action="store_true",
+                                  help="a run from scratch appends to an existing --metrics-file")
+    existing_metrics.add_argument("--overwrite-metrics-file", action="store_true",
+                                  help="a run from scratch replaces an existing --metrics-file")
 
     checkpoints = parser.add_argument_group("checkpointing")
     checkpoints.add_argument("--save", default=None, help="directory to save checkpoints to")
     checkpoints.add_argument("--save-interval", type=int, default=None,
                              help="iterations between checkpoints (default: only at the end of training)")
     checkpoints.add_argument("--load", default=None,
-                             help="directory to resume from (its latest complete checkpoint); without one there, "
-                                  "the run starts from scratch, so --load and --save may name the same directory "
-                                  "for runs that restart")
+                             help="directory to resume from (its latest complete checkpoint), or one iter_NNNNNNN "
+                                  "folder in it; without a checkpoint there the run stops, unless --load-optional")
+    checkpoints.add_argument("--load-optional", action="store_true",
+                             help="start from scratch when --load holds no checkpoint yet (so --load and --save may "
+                                  "name the same directory for runs that restart)")
 
     rl = parser.add_argument_group("reinforcement learning")
     rl.add_argument("--task", choices=sorted(TRANSFORMS), default="reverse", help="the built-in task")
@@ -160,8 +194,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--routing-replay-mode {args.routing_replay_mode} needs --moe-enable-routing-replay")
     if args.moe_enable_routing_replay and args.routing_replay_mode is None:
         args.routing_replay_mode = "r3"
-    if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
-        parser.error("--save-interval needs --save and must be >= 1")
+    problems = [f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}" for flag, needs in (
+        ("save_interval", "save"), ("load_optional", "load"), ("append_metrics_file", "metrics_file"),
+        ("overwrite_metrics_file", "metrics_file"), ("allow_truncated_rollout_dump", "rollout_dump"))
+        if getattr(args, flag) not in (None, False) and getattr(args, needs) is None]
+    problems += value_problems(args)
+    if not problems:
+        try:
+            complete_args(args)
+        except ValueError as error:
+            problems = [str(error)]
+        else:
+            problems = relation_problems(args)
+    if problems:  # one line each, without argparse's usage block
+        parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
 
 
@@ -176,7 +222,7 @@ def task_of(args: argparse.Namespace) -> SymbolTask:
 
 
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the defaults that depend on other flags and checks that they fit together."""
+    """Fills the defaults that depend on other flags and checks that they fit together (idempotent)."""
     tp = args.tensor_model_parallel_size
     if args.rollout_dump is not None:
         for flag in ("vocab_size", "seq_length"):
@@ -193,11 +239,16 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"{args.task_num_symbols} symbols (it needs {task.vocab_size})")
     if args.global_batch_size is None:
         args.global_batch_size = 32
+    cp = args.context_parallel_size
+    alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    longest = task.max_prompt_tokens + args.max_new_tokens
+    needed = args.micro_batch_size * -(-longest // alignment) * alignment
     if args.seq_length is None:
-        cp = args.context_parallel_size
-        alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
-        longest = task.max_prompt_tokens + args.max_new_tokens
-        args.seq_length = args.micro_batch_size * -(-longest // alignment) * alignment
+        args.seq_length = needed
+    elif args.seq_length < needed:
+        raise ValueError(f"--seq-length {args.seq_length} cannot hold --micro-batch-size {args.micro_batch_size} "
+                         f"samples of up to {longest} tokens (the task's longest prompt + --max-new-tokens "
+                         f"{args.max_new_tokens}), padded to multiples of {alignment}: it needs {needed}")
     return args
 
 
@@ -282,6 +333,11 @@ def init_model_parallel(args: argparse.Namespace) -> None:
     )
 
 
+# The torchrun agent's store (None outside torchrun): it outlives a worker group, so a restarted
+# attempt reads there what an earlier attempt of the same run noted (_note_metrics_file).
+_agent_store: Optional[dist.Store] = None
+
+
 def init_process_group(device: torch.device) -> None:
     """The default process group from torchrun's environment (``env://``), NCCL or gloo.
 
@@ -289,7 +345,9 @@ def init_process_group(device: torch.device) -> None:
     (``--max-restarts``) the agent's store still holds the addresses the dead workers
     published under the same keys, and a restarted worker would try to connect to them.
     """
+    global _agent_store
     store, rank, world_size = next(dist.rendezvous("env://"))
+    _agent_store = store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
@@ -299,7 +357,8 @@ def init_process_group(device: torch.device) -> None:
 def initialize(args: argparse.Namespace) -> torch.device:
     """Process group (from torchrun's environment unless one exists), parallel state and RNG.
 
-    CUDA and NCCL where CUDA is available, else the CPU and gloo.
+    CUDA and NCCL where CUDA is available, else the CPU and gloo. The flags' arithmetic with
+    the world size is checked before the parallel state is built.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -308,6 +367,9 @@ def initialize(args: argparse.Namespace) -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         init_process_group(device)
+    problems = world_problems(args, dist.get_world_size())
+    if problems:
+        raise RunCheckError("; ".join(problems))
     init_model_parallel(args)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -316,9 +378,6 @@ def initialize(args: argparse.Namespace) -> torch.device:
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, device: torch.device) -> list[GPTModel]:
     """This rank's model chunks, one per virtual pipeline stage."""
-    if args.vocab_size % args.tensor_model_parallel_size:
-        raise ValueError(f"--vocab-size {args.vocab_size} must be divisible by the TP size "
-                         f"{args.tensor_model_parallel_size}")
     vp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vp) if vp else [None]:
@@ -348,9 +407,9 @@ def rank_layout(config: TransformerConfig) -> RankLayout:
     )
 
 
-def check_dump(path: str, args: argparse.Namespace) -> None:
+def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
     """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
-    check_dump_fits(path, num_experts=args.num_experts, topk=args.moe_router_topk,
+    check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
                     moe_layer_numbers=moe_layer_numbers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
                     seq_length=args.seq_length)
 
@@ -400,45 +459,76 @@ class EmbeddedRollouts:
 class DumpRollouts:
     """This rank's share of the next ``--global-batch-size`` samples of the dump (``DataParallelDumpShard``).
 
-    Advantages come from each sample's metadata: ``advantage`` as given, or ``reward``
-    normalised within groups of ``--rollouts-per-prompt`` consecutive samples (a rank's
-    share is whole groups).
+    Advantages come from each sample's metadata: ``advantage`` as given when every
+    sample of the dump has one, else ``reward`` normalised within groups of
+    ``--rollouts-per-prompt`` consecutive samples (a rank's share is whole groups).
+
+    Before training the dump is checked whole: its footer (a dump without one is
+    refused unless ``--allow-truncated-rollout-dump``), its fit to the model, and every
+    record (CRC, routes, values, a reward or an advantage), in one streaming pass the
+    ranks split between them (``megatron_r3.run_checks.check_dump_records``).
     """
 
-    def __init__(self, args: argparse.Namespace, global_batch: int):
-        check_dump(args.rollout_dump, args)
+    def __init__(self, args: argparse.Namespace, global_batch: int, log: Callable[[str], None]):
         self.path, self.global_batch = args.rollout_dump, global_batch
-        self.shard = self._shard(consumed_samples=0)
         self.group = args.rollouts_per_prompt
+        # A cut last record is dropped by the reader and refused (or warned about) by _check_footer.
+        self.reader = RolloutDumpReader(self.path, allow_truncated_tail=True)
+        try:
+            self._check_footer(args.allow_truncated_rollout_dump, log)
+            check_dump(self.reader, args)
+            self.loss_field = check_dump_records(self.reader)
+        except BaseException:
+            self.reader.close()
+            raise
+        self.shard = self._shard(consumed_samples=0)
+
+    def _check_footer(self, allow_truncated: bool, log: Callable[[str], None]) -> None:
+        if self.reader.finished:
+            return
+        why = "format version 2 has none" if self.reader.version < 3 else \
+            "its writer did not finish, or the file was cut"
+        recovered = len(self.reader)  # a scan of the record heads; bytes after a footer raise here
+        dropped = os.path.getsize(self.path) - self.reader.index.end
+        found = f"{recovered} whole samples" + (f" and {dropped} bytes of a cut record" if dropped else "")
+        if not allow_truncated:
+            raise RunCheckError(f"--rollout-dump {self.path} has no footer ({why}), so samples may be missing at "
+                                f"its end ({found} are there): pass --allow-truncated-rollout-dump to train on the "
+                                f"whole samples")
+        log(f" warning: --rollout-dump {self.path} has no footer ({why}): training on the {recovered} whole "
+            f"samples recovered" + (f", {dropped} bytes of a cut record dropped" if dropped else ""))
 
     def _shard(self, consumed_samples: int) -> DataParallelDumpShard:
-        return DataParallelDumpShard(self.path, parallel_state.get_data_parallel_rank(),
+        return DataParallelDumpShard(self.reader, parallel_state.get_data_parallel_rank(),
                                      parallel_state.get_data_parallel_world_size(), self.global_batch,
                                      consumed_samples=consumed_samples)
 
     def resume(self, consumed_samples: int) -> None:
         """Continue after the first ``consumed_samples`` samples (a checkpoint's data position)."""
-        self.shard.close()
         self.shard = self._shard(consumed_samples)
 
+    def check_microbatches(self, args: argparse.Namespace, iteration: int, alignment: int) -> None:
+        """Every microbatch of the iterations after ``iteration`` fits one ``--seq-length`` row."""
+        problem = microbatch_problem(self.reader.index.num_tokens, consumed_samples=self.shard.consumed_samples,
+                                     iterations=args.train_iters - iteration, global_batch=self.global_batch,
+                                     micro_batch_size=args.micro_batch_size, alignment=alignment,
+                                     seq_length=args.seq_length, first_iteration=iteration + 1)
+        if problem is not None:
+            raise RunCheckError(problem)
+
     def batch(self, iteration: int) -> RolloutBatch:
-        records = self.shard.next_records()
         samples = self.shard.next_batch()
         rewards = None
         if all("reward" in s.meta for s in samples):
-            rewards = np.asarray([float(s.meta["reward"]) for s in samples])
-        if all("advantage" in s.meta for s in samples):
-            advantages = np.asarray([float(s.meta["advantage"]) for s in samples])
-        elif rewards is not None:
-            advantages = group_advantages(rewards, self.group)
+            rewards = np.asarray([s.meta["reward"] for s in samples], dtype=np.float64)
+        if self.loss_field == "advantage":
+            advantages = np.asarray([s.meta["advantage"] for s in samples], dtype=np.float64)
         else:
-            missing = next(r for r, s in zip(records, samples) if "reward" not in s.meta)
-            raise ValueError(f"rollout dump record {missing} (iteration {iteration}) has neither 'reward' nor "
-                             f"'advantage' in its metadata: the policy-gradient loss needs one")
+            advantages = group_advantages(rewards, self.group)
         return RolloutBatch(samples, advantages, rewards)
 
     def close(self) -> None:
-        self.shard.close()
+        self.reader.close()
 
 
 @dataclass
@@ -463,37 +553,102 @@ class TrainingRun:
     consumed_samples: int = 0
 
 
-def setup(args: argparse.Namespace, device: torch.device) -> TrainingRun:
-    """Builds the policy, the optimizer, the trainer and the rollout source (the engine, or the dump)."""
+def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> TrainingRun:
+    """Builds the policy, the optimizer, the trainer and the rollout source (the engine, or the dump).
+
+    In dump mode the dump is checked first, before anything is built.
+    """
     args = complete_args(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
-    per_rank = global_batch // dp_size
-    if global_batch % dp_size or per_rank % args.micro_batch_size:
-        raise ValueError(f"--global-batch-size {global_batch} must be a multiple of --micro-batch-size x DP "
-                         f"= {args.micro_batch_size * dp_size}")
-    if per_rank % args.rollouts_per_prompt:
-        raise ValueError(f"each data-parallel rank's {per_rank} samples must be whole groups of "
-                         f"--rollouts-per-prompt {args.rollouts_per_prompt}")
-
-    config = transformer_config(args, device)
-    chunks = build_model(args, config, device)
-    spec = RoutingSpec.from_config(config)
-    rows = RowLayout(rank_layout(config), PipelineSplit.from_config(config), args.seq_length,
-                     args.micro_batch_size, device)
-    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
-                                  weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
-        replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-        temperature=args.rollout_temperature))
-    if args.rollout_dump is not None:
-        return TrainingRun(args, trainer, DumpRollouts(args, global_batch), None)
+    per_rank = global_batch // dp_size  # whole microbatches and groups: run_checks.world_problems
+    source = DumpRollouts(args, global_batch, log) if args.rollout_dump is not None else None
+    try:
+        config = transformer_config(args, device)
+        chunks = build_model(args, config, device)
+        spec = RoutingSpec.from_config(config)
+        rows = RowLayout(rank_layout(config), PipelineSplit.from_config(config), args.seq_length,
+                         args.micro_batch_size, device)
+        optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
+                                      weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
+            replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
+            temperature=args.rollout_temperature))
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    if source is not None:
+        return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
     engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
     engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
                            SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
                            args.rollout_staleness)
     return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
+
+
+def check_outputs(
+    args: argparse.Namespace, log: Callable[[str], None] = print
+) -> tuple[Optional[tuple[str, int]], str]:
+    """What the run will write and read, checked on every rank before anything is built.
+
+    ``--save`` must be writable on every rank (a probe file is created and removed);
+    ``--load`` must name a checkpoint (a run directory or one ``iter_NNNNNNN`` folder in
+    it) unless ``--load-optional``; an existing ``--metrics-file`` is only written by the
+    run it belongs to (a resumed run, a torchrun restart of the run that created it), or
+    with ``--append-metrics-file`` / ``--overwrite-metrics-file``.
+
+    Returns:
+        The checkpoint to resume from (``(run directory, iteration)``, or None) and the
+        :class:`~megatron_r3.train_metrics.MetricsFile` mode.
+
+    Raises:
+        RunCheckError: on every rank, naming the flag, the path and the rank.
+    """
+    rank = dist.get_rank()
+    if args.save is not None:
+        problem = save_directory_problem(args.save)
+        raise_on_any_rank(None if problem is None else f"--save {args.save} is not writable on rank {rank}: {problem}")
+    checkpoint, problem = None, None
+    if args.load is not None:
+        try:
+            checkpoint = find_checkpoint(args.load)
+        except FileNotFoundError as error:
+            if args.load_optional:
+                log(f" {error}: starting from scratch (--load-optional)")
+            else:
+                problem = f"--load: {error}; pass --load-optional to start from scratch when there is none"
+        except ValueError as error:
+            problem = f"--load: {error}"
+    raise_on_any_rank(problem)
+    mode, problem = "new", None
+    if args.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
+        mode, why = metrics_file_mode(os.path.exists(args.metrics_file), checkpoint is not None,
+                                      args.append_metrics_file, args.overwrite_metrics_file,
+                                      _noted_by_an_earlier_attempt(args.metrics_file))
+        problem = None if why is None else f"--metrics-file {args.metrics_file} {why}"
+        try:
+            check_output(args.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
+        except OutputFileError as error:
+            problem = problem or str(error)
+    raise_on_any_rank(problem)
+    return checkpoint, mode
+
+
+def _metrics_file_key(path: str) -> str:
+    return f"megatron_r3/metrics_file_created/{os.path.abspath(path)}"
+
+
+def _noted_by_an_earlier_attempt(path: str) -> bool:
+    """Whether an earlier attempt of this torchrun run created the metrics file (``_note_metrics_file``)."""
+    return _agent_store is not None and _agent_store.check([_metrics_file_key(path)])
+
+
+def _note_metrics_file(path: str) -> None:
+    """Tells later attempts of this torchrun run (after a restart) that the metrics file is this run's."""
+    if _agent_store is not None:
+        _agent_store.set(_metrics_file_key(path), "1")
 
 
 def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
@@ -514,21 +669,18 @@ def save(run: TrainingRun) -> None:
     save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), run.trainer.optimizer, state)
 
 
-def resume(run: TrainingRun, log: Callable[[str], None] = print) -> None:
-    """Loads ``--load``'s latest checkpoint into the run, if there is one.
+def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callable[[str], None] = print) -> None:
+    """Loads ``checkpoint`` (``(run directory, iteration)`` from :func:`check_outputs`) into the run.
 
     Weights and optimizer state load under any parallel layout (dist_checkpointing);
     per-rank RNG states only under the layout they were saved with.
     """
-    directory = run.args.load
-    if directory is None:
+    if checkpoint is None:
         return
-    if latest_iteration(directory) is None:
-        log(f" no checkpoint in {directory}: starting from scratch")
-        return
+    directory, iteration = checkpoint
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
-        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), run.trainer.optimizer)
+        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), run.trainer.optimizer, iteration)
     run.consumed_samples = state["consumed_samples"]
     run.source.resume(run.consumed_samples)
     if run.engine is not None:
@@ -536,24 +688,37 @@ def resume(run: TrainingRun, log: Callable[[str], None] = print) -> None:
     log(f" resumed from {directory} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
 
 
-def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list[dict]:
+def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics_mode: str = "new") -> list[dict]:
     """Runs iterations ``run.iteration + 1`` to ``--train-iters``, logging every ``--log-interval``.
+
+    Args:
+        run: The run, at the iteration it continues from.
+        log: Where the logging rank prints.
+        metrics_mode: How ``--metrics-file`` is opened (:func:`check_outputs`).
 
     Returns:
         The metrics of every iteration run (the same on every rank).
+
+    Raises:
+        NonFiniteStepError: on every rank, naming the iteration whose loss or gradients are not
+            finite; its optimizer step was not taken, and it saved nothing.
     """
     args = run.args
     moe_layers = run.trainer.spec.moe_layer_numbers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
-    metrics_file = MetricsFile(args.metrics_file if logging_rank else None,
-                               keep_through=run.iteration if args.load else None)
+    metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
+    if logging_rank and args.metrics_file is not None:
+        _note_metrics_file(args.metrics_file)
     history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:
         while run.iteration < args.train_iters:
             iteration = run.iteration + 1
             batch = run.source.batch(iteration)
-            sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
+            try:
+                sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
+            except NonFiniteStepError as error:
+                raise NonFiniteStepError(f"iteration {iteration}: {error}") from None
             run.iteration = iteration
             run.consumed_samples += int(sums["samples"][0])
             window_tokens += int(sums["tokens"][0])
@@ -580,21 +745,33 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print) -> list
 
 
 def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
-    """:func:`setup`, then :func:`run_iterations`; returns every iteration's metrics."""
-    run = setup(args, device)
+    """:func:`check_outputs`, :func:`setup`, :func:`resume`, then :func:`run_iterations`; returns every iteration's
+    metrics. Everything that can be checked is checked before the first iteration."""
+    rank_log = log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None
+    checkpoint, metrics_mode = check_outputs(args, rank_log)
+    run = setup(args, device, rank_log)
     try:
-        resume(run, log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None)
-        return run_iterations(run, log)
+        resume(run, checkpoint, rank_log)
+        if isinstance(run.source, DumpRollouts):
+            run.source.check_microbatches(run.args, run.iteration, run.trainer.rows.rank.alignment)
+        return run_iterations(run, log, metrics_mode)
     finally:
         run.source.close()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """Runs the launcher; bad input ends the process with one line on stderr and exit status 1."""
     args = parse_args(argv)
-    device = initialize(args)
-    train(args, device)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    try:
+        device = initialize(args)
+        train(args, device)
+    except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
+        print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

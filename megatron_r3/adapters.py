@@ -61,6 +61,13 @@ class RoutingSpec:
     num_experts: int
     topk: int
 
+    def __post_init__(self):
+        # Named by the flags that set them (the launcher's and the tools'), before any route is read.
+        if self.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.topk} must lie in [1, --num-experts {self.num_experts}]")
+
     @classmethod
     def from_config(cls, config: Any) -> "RoutingSpec":
         """From a Megatron ``TransformerConfig`` (``num_layers``, ``moe_layer_freq``,
@@ -141,6 +148,7 @@ def from_sglang(
             completion_tokens`` from ``meta_info`` when present.
         sample: Sample index for error messages.
     """
+    field = "SGLang meta_info['routed_experts']"
     payload = meta_info
     if isinstance(meta_info, dict):
         if "routed_experts" not in meta_info:
@@ -151,14 +159,29 @@ def from_sglang(
         if num_tokens is None and "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
             num_tokens = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"])
     if isinstance(payload, (str, bytes)):
-        flat = np.frombuffer(base64.b64decode(payload), dtype="<i4")
-    else:  # already decoded (a list or array of int32)
-        flat = _as_numpy(payload).reshape(-1)
+        try:
+            flat = np.frombuffer(base64.b64decode(payload, validate=True), dtype="<i4")
+        except ValueError as error:  # binascii.Error, or bytes that are not whole int32 values
+            raise RoutingValidationError(f"sample {sample}: {field} is not base64 of int32 values ({error})") from None
+    elif isinstance(payload, (list, np.ndarray, torch.Tensor)):  # already decoded int32
+        try:
+            flat = _as_numpy(payload).reshape(-1)
+        except ValueError as error:  # ragged nested lists
+            raise RoutingValidationError(f"sample {sample}: {field} is not an array of int32 ({error})") from None
+    else:
+        raise RoutingValidationError(f"sample {sample}: {field} must be a base64 string, got {type(payload).__name__}")
     row = spec.num_layers * spec.topk
+    # The payload is flat: name the shape it must have rather than guess which dimension is off.
+    if num_tokens is not None and flat.size != (num_tokens - 1) * row:
+        raise RoutingValidationError(
+            f"sample {sample}: {field} holds {flat.size} int32 values; this sample needs [tokens - 1, layers, "
+            f"topk] = [{num_tokens - 1}, {spec.num_layers}, {spec.topk}] = {(num_tokens - 1) * row} (every token "
+            f"but the final sampled one, every decoder layer, top-{spec.topk})"
+        )
     if flat.size % row:
         raise RoutingValidationError(
-            f"sample {sample}: SGLang routed_experts holds {flat.size} int32 values, not a whole number of "
-            f"[{spec.num_layers} layers x top-{spec.topk}] rows"
+            f"sample {sample}: {field} holds {flat.size} int32 values, not a whole number of "
+            f"[layers, topk] = [{spec.num_layers}, {spec.topk}] rows of a [tokens - 1, layers, topk] array"
         )
     flat = flat.reshape(-1, spec.num_layers, spec.topk)
     return _from_engine_rows(flat, spec, num_tokens, sample, "SGLang")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import socket
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
@@ -78,6 +79,67 @@ def latest_iteration(directory: str) -> Optional[int]:
         return int(text)
     except ValueError:
         raise ValueError(f"{path} should hold an iteration number, not {text!r}") from None
+
+
+def save_directory_problem(directory: str) -> Optional[str]:
+    """Why this process could not write checkpoints into ``directory``, or None when it could.
+
+    Creates and removes a probe file in ``directory``, or, while it does not exist, in the
+    nearest folder above it that does (where :func:`save_checkpoint` would create it):
+    the check a run makes on every rank before it trains, so that an unwritable
+    ``--save`` fails at once rather than at the first save. Nothing is left behind.
+    """
+    target = os.path.abspath(directory)
+    while not os.path.exists(target):
+        target = os.path.dirname(target)
+    if not os.path.isdir(target):
+        return f"{target} is a file, not a folder"
+    probe = os.path.join(target, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(probe, "x"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        return f"cannot create a file in {target} ({type(error).__name__}: {error.strerror or error})"
+    return None
+
+
+def find_checkpoint(path: str) -> tuple[str, int]:
+    """The checkpoint ``path`` names, as ``(run directory, iteration)``.
+
+    ``path`` is a run's checkpoint directory (its latest complete checkpoint, by the tracker
+    file) or one iteration folder in it (``DIR/iter_0000010``: that iteration of ``DIR``).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no checkpoint yet: it does not exist, or has no
+            tracker file (a run that has not saved).
+        ValueError: ``path`` is a file; an iteration folder that is not a complete checkpoint
+            (naming its run directory and the complete iterations there); a tracker that
+            names an iteration whose checkpoint is not complete.
+    """
+    normal = os.path.normpath(path)
+    parent, name = os.path.split(normal)
+    if name.startswith("iter_"):
+        complete = _complete_iterations(parent)
+        iteration = int(name[5:]) if name[5:].isdigit() else None
+        if iteration in complete and normal == os.path.normpath(iteration_dir(parent, iteration)):
+            return parent, iteration
+        raise ValueError(f"{path} is not a complete checkpoint; its run's checkpoint directory is {parent or '.'} "
+                         f"(complete iterations there: {complete})")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint in {path}: the directory does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is a file, not a checkpoint directory")
+    iteration = latest_iteration(path)
+    if iteration is None:
+        complete = _complete_iterations(path)
+        raise FileNotFoundError(f"no checkpoint in {path}: it has no {TRACKER_FILENAME}"
+                                + (f" (complete iterations {complete} are there: name one, e.g. "
+                                   f"{iteration_dir(path, complete[-1])})" if complete else ""))
+    if not _is_complete(iteration_dir(path, iteration)):
+        raise ValueError(f"{os.path.join(path, TRACKER_FILENAME)} names iteration {iteration}, whose checkpoint is "
+                         f"not complete (complete iterations: {_complete_iterations(path)})")
+    return path, iteration
 
 
 def save_checkpoint(

@@ -16,13 +16,18 @@ microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.model_pass
    log-prob under R3 and live routing.
 
 Then gradients are summed across ranks, divided by the iteration's completion
-tokens, and the optimizer steps. Every metric leaves as a sum (reduced across all
-ranks in one all-reduce; ranks holding a duplicate contribute zeros), to be
-divided by :mod:`megatron_r3.train_metrics`.
+tokens, and the optimizer steps, unless the loss or the gradients are not finite
+(like Megatron's ``--check-for-nan-in-loss-and-grad``): then every rank raises
+:class:`NonFiniteStepError` before the optimizer sees them. Samples are checked
+where they enter :meth:`PolicyTrainer.step` (log-probs finite and ``<= 0``,
+advantages finite). Every metric leaves as a sum (reduced across all ranks in
+one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
+:mod:`megatron_r3.train_metrics`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -40,10 +45,15 @@ from megatron_r3.rollout_batch import RolloutMicrobatch, RowLayout, logprob_mism
 from megatron_r3.rollout_dump import RolloutSample
 from megatron_r3.routes import RolloutRoutes
 from megatron_r3.routing_agreement import routing_agreement_counts
+from megatron_r3.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.train_metrics import zero_sums
 from megatron_r3.transport import PackedRoutes, RouteUploader
 
 REPLAY_MODES = ("r3", "r2")
+
+
+class NonFiniteStepError(RuntimeError):
+    """The loss or the gradients of a step are not finite; the optimizer did not step."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +120,22 @@ class PolicyTrainer:
 
         Returns:
             The iteration's sums over all ranks (:func:`megatron_r3.train_metrics.zero_sums`).
+
+        Raises:
+            SampleValueError: a sample without rollout log-probs, or with values the loss cannot take.
+            NonFiniteStepError: on every rank, when the loss or the gradients are not finite; the
+                optimizer has not stepped (the weights and its state are those before the call).
         """
         for i, sample in enumerate(samples):
             if sample.logprobs is None:
-                raise ValueError(f"sample {i} has no rollout log-probs: the policy-gradient loss needs them")
+                raise SampleValueError(f"sample {i} has no rollout log-probs: the policy-gradient loss needs them")
+            check_sample_values(sample, f"sample {i}")
+        advantages = np.asarray(advantages, dtype=np.float64)
+        if not np.isfinite(advantages).all():
+            bad = int(np.argmax(~np.isfinite(advantages)))
+            raise SampleValueError(f"sample {bad}: advantage {advantages[bad]} is not finite")
         settings = self.settings
-        batches = self.rows.microbatches(samples, np.asarray(advantages, dtype=np.float64))
+        batches = self.rows.microbatches(samples, advantages)
         groups = [samples[i:i + self.rows.micro_batch_size] for i in range(0, len(samples), self.rows.micro_batch_size)]
         rollout_routes = None
         if settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay):
@@ -153,9 +173,10 @@ class PolicyTrainer:
         totals = _all_reduce(sums)
         trained_tokens = max(float(totals["loss"][1]), 1.0)
         reduce_grads(self.chunks, self.config)
-        for chunk in self.chunks:
-            for param in chunk.parameters():
-                param.grad.div_(trained_tokens)
+        grads = [param.grad for chunk in self.chunks for param in chunk.parameters()]
+        for grad in grads:
+            grad.div_(trained_tokens)
+        _check_finite(float(totals["loss"][0]) / trained_tokens, grads, self.rows.device)
         self.optimizer.step()
         return {name: value.cpu().numpy() for name, value in totals.items()}
 
@@ -231,6 +252,20 @@ class _PolicyLoss:
         mismatch = logprob_mismatch_sums(logprobs.detach(), batch.rollout_logprobs, mask)
         tokens = mask.sum()
         return loss, tokens.to(torch.int), {"loss": torch.stack([loss.detach(), tokens]).double(), "mismatch": mismatch}
+
+
+def _check_finite(loss: float, grads: Sequence[torch.Tensor], device: torch.device) -> None:
+    """Raises on every rank when the (already all-reduced) loss or any rank's gradients are not finite."""
+    # Sum of the ranks' squared norms: replicas count more than once, so it is no norm, but it is
+    # finite exactly when every gradient of every rank is.
+    squares = torch.nn.utils.get_total_norm(grads).double().square().reshape(1).to(device)
+    dist.all_reduce(squares)
+    squares = float(squares[0])
+    if not (math.isfinite(loss) and math.isfinite(squares)):
+        raise NonFiniteStepError(
+            f"the loss is {loss} and the gradients' sum of squares over all ranks is {squares}: not finite, so "
+            f"the optimizer did not step and nothing was saved (a weight or an activation overflowed?)"
+        )
 
 
 def _all_reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

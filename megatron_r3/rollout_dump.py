@@ -58,7 +58,17 @@ second scan that also reads each record's token ids, 4 bytes per token: about 1%
 of a dump with routes of 48 layers x top-8, about half of one without routes.
 A truncated last record (a writer that died mid-record) is reported, not skipped
 silently, unless the reader is asked to tolerate it; a footer cut short counts
-as no footer.
+as no footer, and bytes after a whole footer are an error. Only a footer tells a
+dump's length: one cut exactly at a record boundary reads as a shorter dump, so
+:attr:`RolloutDumpReader.finished` tells a caller that needs every sample (the
+launcher) whether it has them.
+
+Values: the writer refuses, and the reader refuses in every record it decodes,
+rollout log-probs that are not finite or above 0 and a ``reward`` or
+``advantage`` that is not a finite number (:mod:`megatron_r3.sample_checks`);
+the writer also refuses token ids that are not integers in ``[0, 2**31)``.
+:func:`check_records` reads a range of records once, checking each, before a
+run trains on them.
 
 Versions: version 3 added the footer and left header and records as they were in
 version 2, so a version 2 dump still reads (it is indexed by a scan, like a
@@ -79,6 +89,7 @@ from typing import BinaryIO, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from megatron_r3.routes import RolloutRoutes, id_dtype
+from megatron_r3.sample_checks import LOSS_FIELDS, check_sample_values, token_id_array
 from megatron_r3.validation import validate_routes
 
 FORMAT_VERSION = 3  # 3: index and stats in a footer; 2: route_valid per token; 1: per token and layer
@@ -164,16 +175,28 @@ class RolloutDumpWriter:
     samples written so far stay readable (by a scan), and the dump does not claim
     a finished writer.
 
+    Every sample is checked before it is written: token ids integers in int32,
+    rollout log-probs finite and ``<= 0``, ``reward`` and ``advantage`` finite
+    numbers (:mod:`megatron_r3.sample_checks`), routes fitting the header.
+
     Args:
         path: File to create (or a binary file object).
         num_experts: Routed experts per MoE layer.
         topk: Experts per token.
         layer_numbers: The MoE layer numbers every sample's routes cover.
+        overwrite: Replace an existing file at ``path`` (by default it is refused).
     """
 
-    def __init__(self, path: Union[str, BinaryIO], *, num_experts: int, topk: int, layer_numbers: Sequence[int]):
+    def __init__(self, path: Union[str, BinaryIO], *, num_experts: int, topk: int, layer_numbers: Sequence[int],
+                 overwrite: bool = False):
         self._owns = isinstance(path, (str, bytes)) or hasattr(path, "__fspath__")
-        self._file = open(path, "wb") if self._owns else path
+        if self._owns:
+            try:
+                self._file = open(path, "wb" if overwrite else "xb")
+            except FileExistsError:
+                raise RolloutDumpError(f"rollout dump {path} exists: pass overwrite=True to replace it") from None
+        else:
+            self._file = path
         self.num_experts, self.topk = int(num_experts), int(topk)
         self.layer_numbers = tuple(int(n) for n in layer_numbers)
         self._dtype = id_dtype(num_experts)
@@ -197,7 +220,8 @@ class RolloutDumpWriter:
             raise RolloutDumpError(f"{where}: loss_mask has shape {np.shape(sample.loss_mask)}, tokens {t}")
         if sample.logprobs is not None and np.shape(sample.logprobs) != (t,):
             raise RolloutDumpError(f"{where}: logprobs has shape {np.shape(sample.logprobs)}, tokens {t}")
-        token_ids = np.asarray(sample.token_ids, dtype="<i4")
+        token_ids = token_id_array(sample.token_ids, where, "token_ids").astype("<i4")
+        check_sample_values(sample, where)
         parts = [token_ids, np.asarray(sample.loss_mask, dtype=np.uint8)]
         flags = 0
         if sample.logprobs is not None:
@@ -327,6 +351,20 @@ class RolloutDumpReader:
         return self._index
 
     @property
+    def finished(self) -> bool:
+        """True when the dump ends with its footer: its writer closed it, so the footer's count is its length.
+
+        A dump without one (a writer that died or is still writing, a file cut anywhere,
+        even at a record boundary, a version 2 dump) may have lost samples at its end.
+        """
+        if self._index is None:
+            footer = self._read_footer()
+            if footer is None:
+                return False
+            self._index, self._stats = footer
+        return self._index.from_footer
+
+    @property
     def stats(self) -> RolloutDumpStats:
         """Sample count, longest sample and token id range: from the footer, else from a scan."""
         if self._stats is None and not self.index.from_footer:  # a footer gives both at once
@@ -360,7 +398,10 @@ class RolloutDumpReader:
         while True:
             self._file.seek(self._base + position)
             head = self._file.read(_RECORD_HEAD.size)
-            if not head or self._is_index(head[:4]):
+            if self._is_index(head[:4]):
+                self._check_footer_end(position)
+                return
+            if not head:
                 return
             if len(head) < _RECORD_HEAD.size:
                 if self._truncated(record):
@@ -379,6 +420,28 @@ class RolloutDumpReader:
     def _is_index(self, magic: bytes) -> bool:
         """The index record ends the samples (version 3 and later)."""
         return magic == INDEX_MAGIC and self.version >= 3
+
+    def _check_footer_end(self, index_at: int) -> None:
+        """Nothing may follow a whole footer (index record and trailer) that starts at ``index_at``.
+
+        A footer cut short is no footer; bytes after a whole one were appended to a
+        finished dump, and are an error rather than ignored.
+        """
+        size = self._size()
+        self._file.seek(self._base + index_at)
+        head = self._file.read(_RECORD_HEAD.size)
+        if len(head) < _RECORD_HEAD.size:
+            return
+        end = index_at + _RECORD_HEAD.size + _RECORD_HEAD.unpack(head)[1] + _TRAILER.size
+        if size > end:
+            raise RolloutDumpError(f"rollout dump {self.name}: {size - end} bytes follow its footer, which ends at "
+                                   f"byte {end} (data appended to a finished dump?)")
+        if size == end:
+            self._file.seek(self._base + end - _TRAILER.size)
+            at, magic = _TRAILER.unpack(self._file.read(_TRAILER.size))
+            if (at, magic) != (index_at, FOOTER_MAGIC):
+                raise RolloutDumpError(f"rollout dump {self.name}: corrupt footer: the trailer after the index "
+                                       f"record at offset {index_at} is {magic!r} pointing at {at}")
 
     def _truncated(self, record: int) -> bool:
         if self.allow_truncated_tail:
@@ -411,6 +474,8 @@ class RolloutDumpReader:
             raise corrupt(f"index offset {index_at} lies outside the file of {size} bytes")
         self._file.seek(self._base + index_at)
         magic, length, crc = _RECORD_HEAD.unpack(self._file.read(_RECORD_HEAD.size))
+        if magic == INDEX_MAGIC and index_at + _RECORD_HEAD.size + length + _TRAILER.size < size:
+            self._check_footer_end(index_at)  # a whole footer, then bytes that end like one
         if magic != INDEX_MAGIC or index_at + _RECORD_HEAD.size + length + _TRAILER.size != size:
             raise corrupt(f"no index record of the right length at offset {index_at}")
         body = self._file.read(length)
@@ -441,6 +506,7 @@ class RolloutDumpReader:
             self._file.seek(self._base + position)
             head = self._file.read(_RECORD_HEAD.size)
             if self._is_index(head[:4]):
+                self._check_footer_end(position)
                 break
             if len(head) < _RECORD_HEAD.size:
                 self._truncated(record)
@@ -496,7 +562,9 @@ class RolloutDumpReader:
             routes = RolloutRoutes(ids, valid, self.num_experts, self.layer_numbers)
         if at != len(body):
             raise RolloutDumpError(f"record {index}: {len(body) - at} unexpected trailing bytes")
-        return RolloutSample(token_ids, loss_mask, logprobs, routes, meta)
+        sample = RolloutSample(token_ids, loss_mask, logprobs, routes, meta)
+        check_sample_values(sample, f"record {index}")  # the dump may come from elsewhere
+        return sample
 
     def _read_exact(self, n: int, what: str) -> bytes:
         data = self._file.read(n)
@@ -513,6 +581,38 @@ class RolloutDumpReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int] = None, *,
+                  require_loss_field: bool = False) -> dict[str, Optional[int]]:
+    """Reads records ``[first, stop)`` front to back, one in memory at a time, and checks each as training would.
+
+    Every record's CRC, routes and values (log-probs finite and ``<= 0``, ``reward``
+    and ``advantage`` finite numbers) are checked; the first bad record raises.
+
+    Args:
+        reader: The dump.
+        first, stop: The records to read (default: all).
+        require_loss_field: Refuse a record with neither a ``reward`` nor an ``advantage``
+            (the policy-gradient loss needs one).
+
+    Returns:
+        For each of :data:`~megatron_r3.sample_checks.LOSS_FIELDS`, the first record of the range
+        without it in its metadata (None: every record has it).
+
+    Raises:
+        RolloutDumpError, RoutingValidationError, SampleValueError: naming the record.
+    """
+    missing: dict[str, Optional[int]] = dict.fromkeys(LOSS_FIELDS)
+    for record in range(first, len(reader) if stop is None else stop):
+        meta = reader.read(record).meta
+        if require_loss_field and not any(key in meta for key in LOSS_FIELDS):
+            raise RolloutDumpError(f"record {record} has neither 'reward' nor 'advantage' in its metadata: the "
+                                   f"policy-gradient loss needs one")
+        for key in LOSS_FIELDS:
+            if missing[key] is None and key not in meta:
+                missing[key] = record
+    return missing
 
 
 def check_dump_fits(

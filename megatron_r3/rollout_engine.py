@@ -25,6 +25,12 @@ come back through the data plane (``adapters.from_megatron_recorded`` with the
 and PP ranks gathered on every rank). Like vLLM and SGLang, the engine reports
 no route for the final sampled token (it never ran through the model), so the
 trainer routes that token live.
+
+Non-finite numbers stop the engine where they appear, on every rank of the
+replica: logits that are not finite before a token is sampled
+(:class:`RolloutEngineError`, naming the iteration, the step and the sample),
+and log-probs that are not finite or above 0 in the recorded samples
+(:func:`megatron_r3.sample_checks.check_logprobs`).
 """
 
 from __future__ import annotations
@@ -48,7 +54,12 @@ from megatron_r3.replica_comm import (
 from megatron_r3.rollout_batch import RowLayout
 from megatron_r3.rollout_dump import RolloutSample
 from megatron_r3.routes import RolloutRoutes
+from megatron_r3.sample_checks import check_logprobs
 from megatron_r3.weight_lag import LaggedWeights
+
+
+class RolloutEngineError(RuntimeError):
+    """The engine's model produced numbers it cannot sample from."""
 
 
 @dataclass(frozen=True)
@@ -147,11 +158,22 @@ class RolloutEngine:
         drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
         if parallel_state.is_pipeline_last_stage():
             vocab_shard = torch.cat([out["rows"] for out in outputs])
-            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard))
-            probs = torch.softmax(logits.double().cpu() / self.sampling.temperature, dim=-1)
-            generator = torch.Generator().manual_seed(self._sampling_seed(iteration, step))
-            drawn.copy_(torch.multinomial(probs, 1, generator=generator).flatten())
-        return broadcast_from_last_stage(drawn).cpu().numpy()
+            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard)).double().cpu()
+            broken = ~torch.isfinite(logits).all(dim=-1)
+            if broken.any():  # -1 tells every stage, which then raises with the last one
+                drawn.copy_(-broken.to(torch.int64))
+            else:
+                probs = torch.softmax(logits / self.sampling.temperature, dim=-1)
+                generator = torch.Generator().manual_seed(self._sampling_seed(iteration, step))
+                drawn.copy_(torch.multinomial(probs, 1, generator=generator).flatten())
+        drawn = broadcast_from_last_stage(drawn).cpu().numpy()
+        if (drawn < 0).any():
+            raise RolloutEngineError(
+                f"rollout engine, iteration {iteration}, step {step}: the logits of sample {int(np.argmax(drawn < 0))} "
+                f"are not finite ({int((drawn < 0).sum())} of {len(drawn)} samples): the engine's weights hold "
+                f"NaN or inf, or its activations overflowed"
+            )
+        return drawn
 
     def _sampling_seed(self, iteration: int, step: int) -> int:
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -189,6 +211,7 @@ class RolloutEngine:
                 i = m * self.rows.micro_batch_size + j
                 logprobs = np.zeros(length, dtype=np.float32)
                 logprobs[1:] = rows[m, start:start + length - 1]  # position t predicts token t + 1
+                check_logprobs(logprobs, f"rollout engine sample {i}")
                 samples.append(RolloutSample(
                     token_ids=np.asarray(tokens[i], dtype=np.int64),
                     loss_mask=np.arange(length) >= prompt_lens[i],

@@ -118,27 +118,36 @@ def _number(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+METRICS_FILE_MODES = ("new", "append", "overwrite", "resume")
+
+
 class MetricsFile:
     """Writes one JSON object per logged iteration to a JSONL file (on the logging rank only).
 
     Args:
         path: The file, or None to write nothing.
-        keep_through: A resumed run's first iteration minus one: the file keeps its lines of
-            iterations up to this one and drops the rest (a run that died after its last
-            checkpoint wrote them, and the resumed run writes them again). None starts afresh.
+        mode: ``"new"``: create the file, which must not exist; ``"append"``: add lines after
+            the file's; ``"overwrite"``: start it afresh; ``"resume"``: keep the file's lines of
+            iterations up to ``keep_through`` and drop the rest (a run that died after its last
+            checkpoint wrote them, and the resumed run writes them again).
+        keep_through: With ``"resume"``, the last iteration whose lines are kept.
     """
 
-    def __init__(self, path: Optional[str], keep_through: Optional[int] = None):
+    def __init__(self, path: Optional[str], mode: str = "new", keep_through: Optional[int] = None):
+        if mode not in METRICS_FILE_MODES:
+            raise ValueError(f"metrics file mode must be one of {METRICS_FILE_MODES}, got {mode!r}")
         self._file: Optional[TextIO] = None
         if not path:
             return
-        kept = []
-        if keep_through is not None and os.path.exists(path):
+        if mode == "resume" and os.path.exists(path):
             with open(path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= keep_through]
-        self._file = open(path, "w")
-        self._file.writelines(kept)
-        self._file.flush()
+            # The dropped lines go by a rename: a run killed now leaves the whole old file, never half of it.
+            temporary = f"{path}.{os.getpid()}.partial"
+            with open(temporary, "w") as f:
+                f.writelines(kept)
+            os.replace(temporary, path)
+        self._file = open(path, {"new": "x", "append": "a", "overwrite": "w", "resume": "a"}[mode])
 
     def write(self, metrics: dict) -> None:
         if self._file is not None:

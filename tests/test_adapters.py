@@ -90,7 +90,8 @@ def test_sglang_meta_info():
     decoded = from_sglang(rows.reshape(-1), SPEC)  # a payload someone already decoded
     np.testing.assert_array_equal(decoded.to_int64(), routes.to_int64())
     meta["completion_tokens"] = 5
-    with pytest.raises(RoutingValidationError, match="a sample of 10 tokens"):
+    with pytest.raises(RoutingValidationError, match=r"holds 192 int32 values; this sample needs \[tokens - 1, "
+                                                     r"layers, topk\] = \[9, 6, 4\] = 216"):
         from_sglang(meta, SPEC, sample=1)
     with pytest.raises(RoutingValidationError, match="not a whole number"):
         from_sglang(base64.b64encode(b"\0" * 20), SPEC)

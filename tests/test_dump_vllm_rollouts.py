@@ -266,8 +266,9 @@ def _routes(rows):
 
 @pytest.mark.parametrize("mutate, message", [
     (_meta("routed_experts", None), "request 's3' sample 0: SGLang meta_info has no routed_experts"),
-    (_meta("routed_experts", _routes(lambda r: r[:-2])), "SGLang routes cover 7 tokens; a sample of 10 tokens must have 9"),
-    (_meta("routed_experts", _routes(lambda r: r[:, :, :1])), "not a whole number of \\[4 layers x top-2\\] rows"),
+    (_meta("routed_experts", _routes(lambda r: r[:-2])), r"SGLang meta_info\['routed_experts'\] holds 56 int32 values; "
+     r"this sample needs \[tokens - 1, layers, topk\] = \[9, 4, 2\] = 72"),
+    (_meta("routed_experts", _routes(lambda r: r[:, :, :1])), r"routed_experts'\] holds 36 int32 values; .* = 72"),
     (_meta("completion_tokens", 5), "request 's3' sample 0: 4 output_ids, but meta_info\\['completion_tokens'\\] = 5"),
     (_meta("output_token_logprobs", None), "request 's3' sample 0: .*no output_token_logprobs"),
     (lambda response, truth: truth.prompt[:-1], "request 's3' sample 0: 5 prompt ids, but meta_info\\['prompt_tokens'\\]"),
@@ -345,7 +346,8 @@ def test_cli_sglang_jsonl_and_errors_naming_line_and_request(tmp_path, capsys):
     lines = write_jsonl(tmp_path / "bad.jsonl", [records[1], {"input_ids": lone.prompt, "response": broken}])
     assert main(["--engine", "sglang", "--input", str(lines), "--out", str(bad), *MODEL_FLAGS]) == 1
     err = capsys.readouterr().err
-    assert "bad.jsonl line 2: request 'd' sample 0: SGLang routes cover 4 tokens; a sample of 6 tokens must have 5" in err
+    assert ("bad.jsonl line 2: request 'd' sample 0: SGLang meta_info['routed_experts'] holds 32 int32 values; "
+            "this sample needs [tokens - 1, layers, topk] = [5, 4, 2] = 40") in err
     assert not bad.exists() and not Path(f"{bad}.partial").exists()  # nothing half-written
 
     (tmp_path / "junk.jsonl").write_text('{"response": {}}\nnot json\n')

@@ -253,7 +253,8 @@ def test_dump_with_tokens_the_model_cannot_take_is_refused(tmp_path):
 
 def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
-    with pytest.raises(WorkerError, match="--seq-length is 40: raise it or lower --micro-batch-size"):
+    with pytest.raises(WorkerError, match=r"--seq-length 40 is too short: iteration 1 packs records \[0, 1\] of the "
+                                          r"dump \(\[36, 40\] tokens\) .*; raise --seq-length or lower --micro-batch-size"):
         run(dump, 1, "--seq-length", "40", iters=1)
 
 
@@ -268,7 +269,7 @@ def test_dump_without_rewards_is_refused(tmp_path):
         for sample in reader:
             sample.meta = {}
             writer.write(sample)
-    with pytest.raises(WorkerError, match=r"record 0 \(iteration 1\) has neither 'reward' nor 'advantage'"):
+    with pytest.raises(WorkerError, match=r"rollout dump .*no-reward\.r3dump: record 0 has neither 'reward' nor 'advantage'"):
         run(bare, 1, iters=1)
 
 

@@ -86,7 +86,7 @@ def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoi
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "metrics.jsonl")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "launch/pretrain_gpt_r3.py", *flags, "--save", ckpt, "--load", ckpt,
+               "--max-restarts", "1", "launch/pretrain_gpt_r3.py", *flags, "--save", ckpt, "--load", ckpt, "--load-optional",
                "--save-interval", "1", "--metrics-file", metrics]
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:

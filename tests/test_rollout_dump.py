@@ -15,8 +15,10 @@ from megatron_r3.rollout_dump import (
     RolloutSample,
     check_dump_fits,
 )
+from megatron_r3.sample_checks import SampleValueError
 from megatron_r3.validation import RoutingValidationError
 from tests.support.counting_file import CountingFile
+from tests.support.planted import unchecked_writer
 
 
 def make_sample(rng, n, spec, with_routes=True, with_logprobs=True, index=0):
@@ -332,8 +334,12 @@ def test_empty_and_negative_token_dumps_are_refused():
     with pytest.raises(RolloutDumpError, match="samples: the dump holds no samples"):
         check_dump_fits(RolloutDumpReader(io.BytesIO(_dump_of([]))), **FITS)
     negative = RolloutSample(np.array([5, -1], np.int32), np.ones(2, bool))
+    with pytest.raises(SampleValueError, match=r"sample 0: token_ids\[1\] = -1 is outside \[0, 2\*\*31\)"):
+        _dump_of([negative])
+    with unchecked_writer():  # a dump written elsewhere
+        data = _dump_of([negative])
     with pytest.raises(RolloutDumpError, match="vocab: the dump holds token id -1, token ids are >= 0"):
-        check_dump_fits(RolloutDumpReader(io.BytesIO(_dump_of([negative]))), **FITS)
+        check_dump_fits(RolloutDumpReader(io.BytesIO(data)), **FITS)
     both = dict(FITS, topk=3, seq_length=1)
     with pytest.raises(RolloutDumpError, match="top-k: .*; seq-length: sample 0 has 2 tokens"):
-        check_dump_fits(RolloutDumpReader(io.BytesIO(_dump_of([negative]))), **both)
+        check_dump_fits(RolloutDumpReader(io.BytesIO(data)), **both)

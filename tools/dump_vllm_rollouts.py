@@ -64,8 +64,16 @@ Input, one JSON object per line:
   the prompt (``logprob_start_len > 0``) gives those tokens' log-probs, the others are 0.
 
 Progress goes to stderr every ``--log-interval`` samples (samples, tokens, the
-fraction of tokens with a route); an error names the input line, the request
-and what is wrong, and leaves no output file behind.
+fraction of tokens with a route). Refused, with the input line, the request, the
+sample and the field named, and no traceback: a line that is not UTF-8 JSON, a
+field of the wrong JSON type, a token id that is not an integer (``5.0`` is
+refused, not truncated) or lies outside ``[0, --vocab-size)`` (``[0, 2**31)``
+without it), a log-prob that is not a number, not finite or above 0, a reward
+that is not a finite number, a request without completions, a completion
+without tokens, routes that do not fit the model, and an input with no sample at
+all. The output is written under a temporary name next to ``--out`` and renamed
+once complete, so an error leaves no output file behind; an ``--out`` that is the
+input is refused, and an existing one unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -73,7 +81,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import sys
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional, TextIO
@@ -83,6 +90,7 @@ import numpy as np
 from megatron_r3.adapters import RoutingSpec
 from megatron_r3.engine_samples import sglang_samples, vllm_samples
 from megatron_r3.moe_layers import moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.output_files import atomic_output
 from megatron_r3.rollout_dump import RolloutDumpWriter, RolloutSample
 
 
@@ -118,70 +126,82 @@ def request_output_to_json(request_output: Any, rewards: Optional[list] = None) 
     }
 
 
-def vllm_line_samples(record: dict, spec: RoutingSpec) -> list[RolloutSample]:
+def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
     """The samples of one ``--engine vllm`` line (a parsed JSON object)."""
     request = SimpleNamespace(
         request_id=record.get("request_id"),
-        prompt_token_ids=_required(record, "prompt_token_ids", "vLLM request"),
-        prompt_logprobs=_positions(record.get("prompt_logprobs"), "prompt_logprobs"),
+        prompt_token_ids=_field(record, "prompt_token_ids", "vLLM request", list),
+        prompt_logprobs=_positions(_field(record, "prompt_logprobs", "vLLM request", list, required=False),
+                                   "prompt_logprobs"),
         outputs=[],
     )
     rewards = []
-    for position, out in enumerate(_required(record, "outputs", "vLLM request")):
+    for position, out in enumerate(_field(record, "outputs", "vLLM request", list)):
         where = f"vLLM request {request.request_id!r} outputs[{position}]"
+        if not isinstance(out, dict):
+            raise InputLineError(f"{where} must be a JSON object, got {_json_type(out)}")
+        index = out.get("index", position)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InputLineError(f"{where}.index must be an integer, got {_json_type(index)}")
         request.outputs.append(SimpleNamespace(
-            index=out.get("index", position),
-            token_ids=_required(out, "token_ids", where),
-            logprobs=_positions(out.get("logprobs"), f"{where}.logprobs"),
+            index=index,
+            token_ids=_field(out, "token_ids", where, list),
+            logprobs=_positions(_field(out, "logprobs", where, list, required=False), f"{where}.logprobs"),
             routed_experts=_array(out.get("routed_experts"), f"{where}.routed_experts"),
             finish_reason=out.get("finish_reason"),
         ))
         rewards.append(out.get("reward"))
-    return vllm_samples(request, spec, rewards=rewards)
+    return vllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size)
 
 
-def sglang_line_samples(record: dict, spec: RoutingSpec) -> list[RolloutSample]:
+def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
     """The samples of one ``--engine sglang`` line (a parsed JSON object)."""
-    response = _required(record, "response", "SGLang line")
+    response = _field(record, "response", "SGLang line", (dict, list))
     responses = response if isinstance(response, list) else [response]
     reward = record.get("reward")
     rewards = None if reward is None else (reward if isinstance(reward, list) else [reward])
-    return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards)
+    return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards, vocab_size=vocab_size)
 
 
 LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples}
 
 
 def dump_jsonl(
-    input_path: str, out_path: str, engine: str, spec: RoutingSpec, *, log_interval: int = 1000,
-    log: TextIO = sys.stderr,
+    input_path: str, out_path: str, engine: str, spec: RoutingSpec, *, vocab_size: Optional[int] = None,
+    overwrite: bool = False, log_interval: int = 1000, log: TextIO = sys.stderr,
 ) -> dict:
     """Converts a JSONL file into a rollout dump; returns counts.
 
-    The dump is written next to ``out_path`` and moved there once complete, so a
-    failed conversion leaves no file behind.
+    The dump is written under a temporary name next to ``out_path`` and renamed once
+    complete (:func:`megatron_r3.output_files.atomic_output`), so a failed conversion
+    leaves no file behind and never a half-written one in place of an old one.
+
+    Args:
+        vocab_size: The model's vocabulary: token ids outside it are refused (None: ids below 2**31).
+        overwrite: Replace an existing ``out_path`` (refused by default).
 
     Returns:
         ``{"requests", "samples", "tokens", "routed_tokens"}``.
 
     Raises:
         InputLineError: a line that cannot be read or does not fit the model, naming
-            the file, the line and (where known) the request.
+            the file, the line and (where known) the request, sample and field; an input
+            without samples.
+        OutputFileError: ``out_path`` is ``input_path``, or exists without ``overwrite``.
     """
     read_line = LINE_READERS[engine]
     counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0}
-    partial = f"{out_path}.partial"
-    try:
+    with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
         with RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
                                layer_numbers=spec.moe_layer_numbers) as writer:
             for number, record in _records(input_path):
                 try:
-                    samples = read_line(record, spec)
+                    samples = read_line(record, spec, vocab_size)
                     for sample in samples:
                         writer.write(sample)
                 except ValueError as error:
                     raise InputLineError(f"{input_path} line {number}: {error}") from error
-                except (TypeError, IndexError, KeyError) as error:  # a field of the wrong JSON type
+                except (TypeError, IndexError, KeyError, AttributeError) as error:  # a JSON type no check names
                     raise InputLineError(
                         f"{input_path} line {number}: malformed record ({type(error).__name__}: {error})"
                     ) from error
@@ -192,11 +212,8 @@ def dump_jsonl(
                     counts["routed_tokens"] += int(sample.routes.valid.sum())
                     if log_interval and counts["samples"] % log_interval == 0:
                         print(f"dump_vllm_rollouts: {_summary(counts)}", file=log, flush=True)
-        os.replace(partial, out_path)
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise
+            if counts["samples"] == 0:
+                raise InputLineError(f"{input_path} holds no request: a dump without samples trains nothing")
     return counts
 
 
@@ -208,8 +225,13 @@ def _summary(counts: dict) -> str:
 
 def _records(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line."""
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputLineError(f"{path} line {number}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                                     f"{error.start + 1}): the input must be JSONL") from None
             if not line.strip():
                 continue
             try:
@@ -217,18 +239,36 @@ def _records(path: str) -> Iterator[tuple[int, dict]]:
             except json.JSONDecodeError as error:
                 raise InputLineError(f"{path} line {number}: not JSON ({error})") from None
             if not isinstance(record, dict):
-                raise InputLineError(f"{path} line {number}: a JSON object is expected, got {type(record).__name__}")
+                raise InputLineError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
             yield number, record
 
 
-def _required(record: dict, key: str, what: str) -> Any:
-    if record.get(key) is None:
-        raise InputLineError(f"{what} has no {key!r}")
-    return record[key]
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+             int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _field(record: dict, key: str, what: str, kind: Any, required: bool = True) -> Any:
+    """``record[key]``, of JSON type ``kind`` (``list``: an array, ``dict``: an object); null when optional."""
+    value = record.get(key)
+    if value is None:
+        if required:
+            raise InputLineError(f"{what} has no {key!r}")
+        return None
+    if not isinstance(value, kind):
+        expected = " or ".join(_json_type(k()) for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise InputLineError(f"{what}: {key!r} must be {expected}, got {_json_type(value)}")
+    return value
 
 
 def _positions(positions: Optional[list], what: str) -> Optional[list]:
-    """JSON per-position log-probs -> vLLM's ``[{token_id: Logprob}]`` (None entries stay None)."""
+    """JSON per-position log-probs -> vLLM's ``[{token_id: Logprob}]`` (None entries stay None).
+
+    The log-prob values are passed on as they are: the engine adapter checks that
+    they are finite numbers <= 0 and names the token.
+    """
     if positions is None:
         return None
     out = []
@@ -237,8 +277,7 @@ def _positions(positions: Optional[list], what: str) -> Optional[list]:
             out.append(None)
             continue
         try:
-            out.append({int(token): SimpleNamespace(logprob=float(entry["logprob"]))
-                        for token, entry in position.items()})
+            out.append({int(token): SimpleNamespace(logprob=entry["logprob"]) for token, entry in position.items()})
         except (AttributeError, KeyError, TypeError, ValueError):
             raise InputLineError(
                 f"{what}[{i}] must map token ids to {{\"logprob\": float, ...}}, got {json.dumps(position)[:200]}"
@@ -255,16 +294,24 @@ def _positions_json(position: Optional[dict]) -> Optional[dict]:
 
 def _array(value: Any, what: str) -> Optional[np.ndarray]:
     """A JSON integer array: ``{"dtype", "shape", "base64"}`` (little-endian) or nested lists."""
-    if value is None or isinstance(value, list):
-        return None if value is None else np.asarray(value)
+    if value is None:
+        return None
     try:
-        dtype = np.dtype(value["dtype"]).newbyteorder("<")
-        flat = np.frombuffer(base64.b64decode(value["base64"]), dtype=dtype)
-        return flat.reshape(value["shape"])
-    except (KeyError, TypeError, ValueError) as error:
+        if isinstance(value, list):
+            array = np.asarray(value)
+        elif isinstance(value, dict):
+            dtype = np.dtype(value["dtype"]).newbyteorder("<")
+            flat = np.frombuffer(base64.b64decode(value["base64"], validate=True), dtype=dtype)
+            array = flat.reshape(value["shape"])
+        else:
+            raise TypeError(f"got {_json_type(value)}")
+    except (KeyError, TypeError, ValueError, OverflowError) as error:  # binascii.Error is a ValueError
         raise InputLineError(
             f"{what} must be nested lists or {{\"dtype\", \"shape\", \"base64\"}} ({type(error).__name__}: {error})"
         ) from None
+    if array.dtype.kind not in "iu":
+        raise InputLineError(f"{what} must hold integer expert ids, got dtype {array.dtype}")
+    return array
 
 
 def _array_json(array: Any) -> dict:
@@ -277,13 +324,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=sorted(LINE_READERS), required=True)
     parser.add_argument("--input", required=True, help="JSONL file, one request (vllm) or prompt (sglang) a line")
-    parser.add_argument("--out", required=True, help="the rollout dump to write")
+    parser.add_argument("--out", required=True, help="the rollout dump to write (not the input; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--num-layers", type=int, required=True, help="decoder layers of the model")
     parser.add_argument("--moe-layer-freq", default="1", help="an int, or one 0/1 per layer, comma-separated")
     parser.add_argument("--num-experts", type=int, required=True)
     parser.add_argument("--moe-router-topk", type=int, required=True)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="refuse token ids outside [0, vocab-size) (default: only ids >= 2**31)")
     parser.add_argument("--log-interval", type=int, default=1000, help="progress every this many samples (0: off)")
     args = parser.parse_args(argv)
+    if args.vocab_size is not None and args.vocab_size < 1:
+        parser.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.log_interval < 0:
+        parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
     try:
         spec = RoutingSpec(num_layers=args.num_layers,
                            moe_layer_numbers=moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq)),
@@ -291,8 +345,9 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(str(error))
     try:
-        counts = dump_jsonl(args.input, args.out, args.engine, spec, log_interval=args.log_interval)
-    except (InputLineError, OSError) as error:
+        counts = dump_jsonl(args.input, args.out, args.engine, spec, vocab_size=args.vocab_size,
+                            overwrite=args.overwrite, log_interval=args.log_interval)
+    except (ValueError, OSError) as error:  # InputLineError, OutputFileError, an unreadable input
         print(f"dump_vllm_rollouts: error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {_summary(counts)}")

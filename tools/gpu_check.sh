@@ -20,7 +20,8 @@ if ! .venv/bin/python -m pytest -p no:cacheprovider -q -x tests/test_launcher.py
 fi
 .venv/bin/python -m pytest -p no:cacheprovider -q -rfE -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -3
 ngpu=$(nvidia-smi -L | wc -l)
-.venv/bin/python tools/synthetic_rollout_dump.py --out "$out/synthetic.r3dump" --num-samples 64 --num-layers 4 \
+# OUTDIR is this check's own: a second check into it replaces the first one's dump and metrics.
+.venv/bin/python tools/synthetic_rollout_dump.py --out "$out/synthetic.r3dump" --overwrite --num-samples 64 --num-layers 4 \
   --moe-layer-freq 0,1,1,1 --num-experts 8 --moe-router-topk 2 --vocab-size 1024
 .venv/bin/python -m torch.distributed.run --nproc-per-node "$ngpu" launch/pretrain_gpt_r3.py \
   --rollout-dump "$out/synthetic.r3dump" --num-layers 4 --moe-layer-freq 0,1,1,1 --hidden-size 256 \
@@ -31,7 +32,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 echo "launcher exit status: $?" | tee -a "$out/launch.log"
 grep " iteration " "$out/launch.log" | tail -3
 .venv/bin/python -m torch.distributed.run --nproc-per-node "$ngpu" launch/pretrain_gpt_r3.py \
-  --moe-enable-routing-replay --global-batch-size $((8 * ngpu)) --metrics-file "$out/embedded.jsonl" \
+  --moe-enable-routing-replay --global-batch-size $((8 * ngpu)) --metrics-file "$out/embedded.jsonl" --overwrite-metrics-file \
   > "$out/embedded.log" 2>&1
 echo "embedded run exit status: $?" | tee -a "$out/embedded.log"
 grep " iteration " "$out/embedded.log" | tail -3

@@ -22,7 +22,9 @@ file stem or ``--labels``. Panels are 5 x 3.5 inches, three to a row, at
 
 matplotlib (Agg backend) is needed by this tool only; ``make install`` installs it.
 A file that is not JSONL, a line without an ``iteration``, or a file with none of
-the plotted metrics is refused with a message naming it.
+the plotted metrics is refused with a message naming it. The PNG is drawn under a
+temporary name next to ``--out`` and renamed once complete; an ``--out`` that is
+one of the inputs is refused, and an existing one unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_r3.output_files import OutputFileError, atomic_output
 
 MISMATCH_METRICS = (
     ("k3_kl", "k3 KL estimate"),
@@ -149,7 +153,9 @@ def plot(runs: list[Run], out: str, dpi: int = 100) -> tuple[int, int]:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    fig.savefig(out, dpi=dpi)  # no bbox_inches="tight": the size stays panels x PANEL_INCHES x dpi
+    # No bbox_inches="tight": the size stays panels x PANEL_INCHES x dpi. The format is given: ``out``
+    # may be a temporary name.
+    fig.savefig(out, dpi=dpi, format="png")
     plt.close(fig)
     return int(cols * PANEL_INCHES[0] * dpi), int(rows * PANEL_INCHES[1] * dpi)
 
@@ -182,7 +188,8 @@ def _pyplot():
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics JSONL files (--metrics-file of the launcher)")
-    parser.add_argument("--out", required=True, help="PNG to write")
+    parser.add_argument("--out", required=True, help="PNG to write (not an input; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--labels", nargs="+", help="one label per file (default: the file stems)")
     parser.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
@@ -191,8 +198,9 @@ def main(argv=None) -> int:
         parser.error(f"--labels gives {len(labels)} labels for {len(args.metrics)} files")
     try:
         runs = [Run(label, path, read_metrics(path)) for label, path in zip(labels, args.metrics)]
-        width, height = plot(runs, args.out, dpi=args.dpi)
-    except (MetricsFileError, OSError) as error:
+        with atomic_output(args.out, args.metrics, args.overwrite) as partial:
+            width, height = plot(runs, partial, dpi=args.dpi)
+    except (MetricsFileError, OutputFileError, OSError) as error:
         print(f"plot_metrics: error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} ({width} x {height})")

@@ -15,4 +15,6 @@
 * ``harness``: ``run_layout``, the one-step worker, and the parent-side
   ``full_token_losses`` / ``full_grads`` / ``routes``.
 * ``counting_file``: ``CountingFile``, an in-memory file counting the bytes read.
+* ``planted``: ``unchecked_writer`` (dumps holding what the writer refuses) and
+  ``snapshot`` (checksums of a folder's files, before and after a refusal).
 """
