@@ -193,6 +193,23 @@ class RoutingPlan:
         return len(self.token_index)
 
     @property
+    def num_padding_rows(self) -> int:
+        return int((self.token_index < 0).sum())
+
+    def with_padding_rows(self) -> "RoutingPlan":
+        """The plan with its padding rows read from source rows appended after the samples.
+
+        Padding row ``k`` (in router order) reads source row ``num_source_tokens + k``, so
+        filler routes for the padding (:mod:`megatron_r3.filler_routes`) can be packed like
+        any sample's.
+        """
+        padding = self.token_index < 0
+        token_index = self.token_index.copy()
+        token_index[padding] = self.num_source_tokens + np.arange(int(padding.sum()), dtype=np.int32)
+        return replace(self, token_index=token_index,
+                       num_source_tokens=self.num_source_tokens + int(padding.sum()))
+
+    @property
     def num_local_layers(self) -> int:
         return len(self.layer_index)
 

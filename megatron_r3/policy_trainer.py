@@ -37,17 +37,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_r3.adapters import RoutingSpec
+from megatron_r3.expert_counts import ExpertCountExchange
+from megatron_r3.filler_routes import first_dead_position
 from megatron_r3.grads import reduce_grads
-from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
+from megatron_r3.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.model_pass import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.policy_loss import clipped_policy_loss_sums
 from megatron_r3.replica_comm import is_replica_lead
 from megatron_r3.rollout_batch import RolloutMicrobatch, RowLayout, logprob_mismatch_sums
 from megatron_r3.rollout_dump import RolloutSample
-from megatron_r3.routes import RolloutRoutes
 from megatron_r3.routing_agreement import routing_agreement_counts
 from megatron_r3.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.train_metrics import zero_sums
-from megatron_r3.transport import PackedRoutes, RouteUploader
+from megatron_r3.transport import PackedRoutes
 
 REPLAY_MODES = ("r3", "r2")
 
@@ -106,7 +108,12 @@ class PolicyTrainer:
         self.spec = spec
         self.rows = rows
         self.settings = settings
-        self.uploader = RouteUploader(rows.device)
+        exchange = None
+        if settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay):
+            # Host token counts for the sync-free dispatch (a collective to build: every rank builds it).
+            exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
+                                           spec.num_experts)
+        self.pipeline = MicrobatchPipeline(rows, spec, exchange)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
     def step(self, samples: Sequence[RolloutSample], advantages: Sequence[float],
@@ -135,38 +142,35 @@ class PolicyTrainer:
             bad = int(np.argmax(~np.isfinite(advantages)))
             raise SampleValueError(f"sample {bad}: advantage {advantages[bad]} is not finite")
         settings = self.settings
-        batches = self.rows.microbatches(samples, advantages)
-        groups = [samples[i:i + self.rows.micro_batch_size] for i in range(0, len(samples), self.rows.micro_batch_size)]
-        rollout_routes = None
-        if settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay):
-            rollout_routes = [self.uploader.upload([self._routes_of(s) for s in group],
-                                                   self.rows.plans(batch, self.spec.moe_layer_numbers))
-                              for group, batch in zip(groups, batches)]
         sums = zero_sums(len(self.spec.moe_layer_numbers), self.rows.device)
-
-        old_logprobs = [batch.rollout_logprobs for batch in batches]
-        train_routes = rollout_routes if settings.replay_mode == "r3" else None
+        old_logprobs = recorded = None
         if settings.replay_mode == "r2":
-            old_logprobs, train_routes = self._old_logprob_pass(batches)
+            old_logprobs, recorded = self._old_logprob_pass(samples)
 
         if settings.compare:
-            # The comparison pass also measures routing agreement: routing live it records what the
-            # trainer chose; replaying it keeps its live top-k. The update pass pays for neither.
-            compare_routes = None if settings.trains_with_replay else rollout_routes
-            outputs, routings = run_pass(self.chunks, batches, self._mismatch_loss, routes=compare_routes,
-                                         record=compare_routes is None and rollout_routes is not None,
-                                         keep_live_routes=compare_routes is not None)
-            self._add_mismatch(sums, "mismatch/live" if settings.trains_with_replay else "mismatch/replay", outputs)
-            if rollout_routes is not None:
-                self._add_agreement(sums, rollout_routes, routings)
+            # The comparison pass runs in the other mode and measures routing agreement with the
+            # engine's routes: routing live it records what the trainer chose, replaying it keeps
+            # its live top-k. The update pass pays for neither.
+            replays = not settings.trains_with_replay
+            has_routes = settings.replay_mode != "r2"
+            result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes),
+                              self._mismatch_loss, replay=replays, record=has_routes and not replays,
+                              keep_live_routes=has_routes and replays)
+            self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
+            if has_routes:
+                self._add_agreement(sums, result)
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_fn = _PolicyLoss(old_logprobs, settings)
-        outputs, routings = run_pass(self.chunks, batches, loss_fn, routes=train_routes, forward_only=False)
-        self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", outputs)
+        microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
+                                             recorded=recorded)
+        result = run_pass(self.chunks, microbatches, _PolicyLoss(old_logprobs, settings), forward_only=False)
+        self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
-            for out in outputs:
+            for out in result.outputs:
                 sums["loss"] += out["loss"].to(sums["loss"].device)
+        sums["routing/host_split_microbatches"] += torch.tensor(
+            [result.host_split_microbatches, microbatches.num_microbatches], dtype=torch.float64,
+            device=self.rows.device)
         if is_replica_lead():
             self._add_replica_counts(sums, samples, rewards)
 
@@ -180,30 +184,23 @@ class PolicyTrainer:
         self.optimizer.step()
         return {name: value.cpu().numpy() for name, value in totals.items()}
 
-    def _old_logprob_pass(self, batches: Sequence[RolloutMicrobatch]):
+    def _old_logprob_pass(self, samples: Sequence[RolloutSample]):
         """R2: record the routes and log-probs of the current weights; the update replays them."""
         temperature = self.settings.temperature
 
         def logprobs(index, batch, logits):
             return no_loss({"logprobs": token_logprobs(logits, batch.labels, temperature)}, logits)
 
-        outputs, routings = run_pass(self.chunks, batches, logprobs, record=True)
+        result = run_pass(self.chunks, self.pipeline.prepare(samples), logprobs, record=True)
         recorded = [[PackedRoutes(r.recorded_expert_ids(), tuple(r.layer_numbers), every_token_routed=True)
                      for r in per_chunk]
-                    for per_chunk in routings]
-        old = [out["logprobs"] for out in outputs] or [None] * len(batches)  # only the last stage has them
+                    for per_chunk in result.routings]
+        old = [out["logprobs"] for out in result.outputs] or None  # only the last stage has them
         return old, recorded
 
     def _mismatch_loss(self, index, batch, logits):
         logprobs = token_logprobs(logits, batch.labels, self.settings.temperature)
         return no_loss({"mismatch": logprob_mismatch_sums(logprobs, batch.rollout_logprobs, batch.loss_mask)}, logits)
-
-    def _routes_of(self, sample: RolloutSample) -> RolloutRoutes:
-        """A sample's routes; a sample without any is routed live."""
-        if sample.routes is not None:
-            return sample.routes
-        return RolloutRoutes.empty(len(sample.token_ids), num_experts=self.spec.num_experts, topk=self.spec.topk,
-                                   layer_numbers=self.spec.moe_layer_numbers)
 
     def _add_mismatch(self, sums, key: str, outputs) -> None:
         # Every TP rank of the last stage holds the same values; CP ranks hold their own tokens.
@@ -211,26 +208,34 @@ class PolicyTrainer:
             for out in outputs:
                 sums[key] += out["mismatch"].to(sums[key].device)
 
-    def _add_agreement(self, sums, rollout_routes, routings) -> None:
+    def _add_agreement(self, sums, result: PassResult) -> None:
         # Without SP every TP rank routes the same tokens; with SP each routes its own slice.
         if self._tp_rank != 0 and not self.config.sequence_parallel:
             return
-        for per_chunk_routes, per_chunk in zip(rollout_routes, routings):
-            for routes, routing in zip(per_chunk_routes, per_chunk):
+        for per_chunk_items, per_chunk in zip(result.items, result.routings):
+            for item, routing in zip(per_chunk_items, per_chunk):
                 trainer = routing.live_expert_ids() if routing.keep_live_routes else routing.recorded_expert_ids()
+                engine = item.routes.expert_ids.clone()
+                engine[:, torch.from_numpy(item.filler_rows).to(engine.device)] = -1  # fillers are no engine routes
                 sums["agreement"] += routing_agreement_counts(
-                    routes.expert_ids, trainer, routing.layer_numbers, self.spec.moe_layer_numbers
+                    engine, trainer, routing.layer_numbers, self.spec.moe_layer_numbers
                 ).to(sums["agreement"].device)
 
     def _add_replica_counts(self, sums, samples: Sequence[RolloutSample], rewards) -> None:
         tokens = sum(len(s.token_ids) for s in samples)
+        replayed = filler = 0
         if self.settings.replay_mode == "r3":
-            replayed = sum(int(self._routes_of(s).valid.sum()) for s in samples)
-        else:
-            replayed = tokens if self.settings.replay_mode == "r2" else 0
+            for s in samples:
+                valid = s.routes.valid if s.routes is not None else np.zeros(len(s.token_ids), bool)
+                dead_from = first_dead_position(s.loss_mask)
+                replayed += int(valid.sum())
+                filler += int((~valid[dead_from:]).sum())
+        elif self.settings.replay_mode == "r2":
+            replayed = tokens
         sums["tokens"] += tokens
         sums["routing/replayed_tokens"] += replayed
-        sums["routing/live_tokens"] += tokens - replayed
+        sums["routing/filler_tokens"] += filler
+        sums["routing/live_tokens"] += tokens - replayed - filler
         sums["samples"] += len(samples)
         if rewards is not None:
             sums["reward"] += torch.tensor([float(np.sum(rewards)), len(rewards)], dtype=torch.float64,
@@ -240,15 +245,15 @@ class PolicyTrainer:
 class _PolicyLoss:
     """The update pass's loss function: clipped policy-gradient loss sum, and mismatch sums."""
 
-    def __init__(self, old_logprobs, settings: PolicyUpdateSettings):
-        self.old_logprobs = old_logprobs
+    def __init__(self, old_logprobs: Optional[Sequence[torch.Tensor]], settings: PolicyUpdateSettings):
+        self.old_logprobs = old_logprobs  # R2's old-log-prob pass; otherwise the rollout's
         self.settings = settings
 
     def __call__(self, index: int, batch: RolloutMicrobatch, logits: torch.Tensor):
         logprobs = token_logprobs(logits, batch.labels, self.settings.temperature)
         mask = batch.loss_mask
-        loss = clipped_policy_loss_sums(logprobs, self.old_logprobs[index], batch.advantages, mask,
-                                        self.settings.clip_ratio)
+        old = batch.rollout_logprobs if self.old_logprobs is None else self.old_logprobs[index]
+        loss = clipped_policy_loss_sums(logprobs, old, batch.advantages, mask, self.settings.clip_ratio)
         mismatch = logprob_mismatch_sums(logprobs.detach(), batch.rollout_logprobs, mask)
         tokens = mask.sum()
         return loss, tokens.to(torch.int), {"loss": torch.stack([loss.detach(), tokens]).double(), "mismatch": mismatch}

@@ -31,15 +31,18 @@ class PreparedMicrobatches:
         num_microbatches: Microbatches in the step.
         prepare: ``prepare(i)`` returns one item per model chunk for microbatch ``i``.
         num_chunks: Model chunks on this rank (one data iterator each).
+        seq_length: The sequence length of every microbatch, for the schedule's p2p shapes.
 
     Attributes:
         prepared_on_demand: Microbatches a forward step had to prepare itself, because no
             prefetch had asked for them first (the step's first one).
     """
 
-    def __init__(self, num_microbatches: int, prepare: Callable[[int], Sequence[Any]], num_chunks: int = 1):
+    def __init__(self, num_microbatches: int, prepare: Callable[[int], Sequence[Any]], num_chunks: int = 1,
+                 seq_length: Optional[int] = None):
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
+        self.seq_length = seq_length
         self.prepared_on_demand = 0
         self._prepare = prepare
         self._items: dict[int, list] = {}  # microbatch -> per chunk, None once handed out

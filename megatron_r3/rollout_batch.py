@@ -27,6 +27,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_r3.context_parallel import thd_zigzag_index
+from megatron_r3.filler_routes import first_dead_position
 from megatron_r3.moe_layers import PipelineSplit
 from megatron_r3.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
 from megatron_r3.rollout_dump import RolloutSample
@@ -42,6 +43,9 @@ class RolloutMicrobatch:
         loss_mask: float32, 1 where the next token is trained on.
         rollout_logprobs: float32 rollout log-prob of the next token (0 where unknown).
         advantages: float32 advantage of the next token's sample (0 where none is given).
+        dead_mask: bool, True at positions whose output no loss can see (from the last
+            loss-bearing position of each sample on, and padding); Megatron's
+            ``padding_mask`` for the MoE layers (:mod:`megatron_r3.filler_routes`).
         position_ids: int64 position of each token within its sample.
         row_index: int64 ``[s_local]`` on the host: where each local token sits in the full row.
         packed_seq_params: THD parameters of the full (not CP-split) row.
@@ -55,6 +59,7 @@ class RolloutMicrobatch:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    dead_mask: torch.Tensor
     position_ids: torch.Tensor
     row_index: torch.Tensor
     packed_seq_params: PackedSeqParams
@@ -99,9 +104,10 @@ def pack_rollout_microbatch(
 
     row = {name: np.zeros(seq_length, dtype) for name, dtype in
            (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32),
-            ("advantages", np.float32))}
+            ("advantages", np.float32), ("dead", np.bool_))}
     start = 0
     for i, (sample, length, width) in enumerate(zip(samples, lens, padded)):
+        row["dead"][start + first_dead_position(sample.loss_mask):start + int(width)] = True
         row["tokens"][start:start + length] = sample.token_ids
         row["labels"][start:start + length - 1] = sample.token_ids[1:]
         row["loss_mask"][start:start + length - 1] = sample.loss_mask[1:]
@@ -133,6 +139,7 @@ def pack_rollout_microbatch(
         loss_mask=local("loss_mask"),
         rollout_logprobs=local("logprobs"),
         advantages=local("advantages"),
+        dead_mask=local("dead"),
         position_ids=position.unsqueeze(0).to(device),
         row_index=index.to(torch.int64),
         packed_seq_params=params,
@@ -160,18 +167,11 @@ class RowLayout:
     micro_batch_size: int
     device: torch.device
 
-    def microbatches(self, samples: Sequence[RolloutSample],
-                     advantages: Optional[Sequence[float]] = None) -> list[RolloutMicrobatch]:
-        """``samples`` packed ``micro_batch_size`` at a time, in order."""
-        if len(samples) % self.micro_batch_size:
-            raise ValueError(f"{len(samples)} samples do not make whole microbatches of "
-                             f"--micro-batch-size {self.micro_batch_size}")
-        out = []
-        for first in range(0, len(samples), self.micro_batch_size):
-            span = slice(first, first + self.micro_batch_size)
-            out.append(pack_rollout_microbatch(samples[span], self.rank, self.seq_length, self.device,
-                                               None if advantages is None else advantages[span]))
-        return out
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks on this rank (virtual pipeline stages)."""
+        vp = self.split.virtual_pipeline_model_parallel_size
+        return vp if vp is not None and self.split.pipeline_model_parallel_size > 1 else 1
 
     def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
         """The routing plan of each of this rank's model chunks for ``batch``."""

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_r3.adapters import RoutingSpec, from_megatron_recorded
+from megatron_r3.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
 from megatron_r3.replica_comm import (
     broadcast_from_last_stage,
@@ -112,6 +113,7 @@ class RolloutEngine:
         self.chunks = list(make_chunks())
         self.spec = spec
         self.rows = rows
+        self.pipeline = MicrobatchPipeline(rows, spec)
         self.sampling = sampling
         self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
         for chunk in self.chunks:
@@ -142,8 +144,6 @@ class RolloutEngine:
 
     def _next_tokens(self, tokens: list[list[int]], iteration: int, step: int) -> np.ndarray:
         """One forward pass; the token drawn after each sample's last position, on every rank."""
-        batches = self.rows.microbatches([_unscored(t) for t in tokens])
-
         def last_position_logits(index, batch, logits):
             ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
             rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
@@ -153,7 +153,8 @@ class RolloutEngine:
                     rows[i] = logits[0, int(local[0])].float()
             return no_loss({"rows": rows}, logits)
 
-        outputs, _ = run_pass(self.chunks, batches, last_position_logits)
+        outputs = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]),
+                           last_position_logits).outputs
         count = len(tokens)
         drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
         if parallel_state.is_pipeline_last_stage():
@@ -182,7 +183,6 @@ class RolloutEngine:
 
     def _record(self, tokens: list[list[int]], prompt_lens: list[int]) -> list[RolloutSample]:
         """The recording pass: routes and log-probs of the finished samples."""
-        batches = self.rows.microbatches([_unscored(t) for t in tokens])
         seq_length = self.rows.seq_length
 
         def full_row_logprobs(index, batch, logits):
@@ -191,7 +191,10 @@ class RolloutEngine:
             row[batch.row_index.to(logits.device)] = logprobs
             return no_loss({"row": row}, logits)
 
-        outputs, routings = run_pass(self.chunks, batches, full_row_logprobs, record=True)
+        result = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]), full_row_logprobs,
+                          record=True)
+        outputs, routings = result.outputs, result.routings
+        batches = [per_chunk[0].batch for per_chunk in result.items]
         rows = torch.zeros((len(batches), seq_length), dtype=torch.float32, device=self.rows.device)
         if parallel_state.is_pipeline_last_stage():
             rows.copy_(sum_over_context_parallel(torch.stack([out["row"] for out in outputs])))

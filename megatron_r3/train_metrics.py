@@ -20,8 +20,12 @@ keys (``None`` where the iteration did not measure a value):
 * ``routing/agreement``: over (token, MoE layer) pairs with an engine route, the fraction
   where the trainer's own top-k set equals the engine's (measured in the comparison pass);
   ``routing/agreement/layer_<n>`` the same per MoE layer number ``n``;
-* ``routing/replayed_tokens``, ``routing/live_tokens``: tokens the training pass
-  routed by replay and by the live router (replay coverage; padding not counted).
+* ``routing/replayed_tokens``, ``routing/filler_tokens``, ``routing/live_tokens``: tokens
+  the training pass routed by replay of a recorded route, by a filler route (positions no
+  loss can see, :mod:`megatron_r3.filler_routes`) and by the live router (padding not
+  counted);
+* ``routing/host_split_microbatches``: the fraction of the update pass's microbatches whose
+  MoE layers took their split sizes from the host (no device sync).
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tens
     ``mismatch/<mode>``: :func:`~megatron_r3.rollout_batch.logprob_mismatch_sums`;
     ``loss``: the loss sum and the completion tokens it covers; ``agreement``:
     ``[2, num_moe_layers]``, agreeing and replayed (token, layer) pairs; ``reward``: sum
-    and count; the others are counts.
+    and count; ``routing/host_split_microbatches``: update-pass microbatches on the sync-free
+    path and all of them; the others are counts.
     """
     sizes = {"loss": (2,), "mismatch/replay": (6,), "mismatch/live": (6,), "agreement": (2, num_moe_layers),
-             "tokens": (1,), "routing/replayed_tokens": (1,), "routing/live_tokens": (1,), "samples": (1,),
-             "reward": (2,)}
+             "tokens": (1,), "routing/replayed_tokens": (1,), "routing/filler_tokens": (1,),
+             "routing/live_tokens": (1,), "routing/host_split_microbatches": (2,), "samples": (1,), "reward": (2,)}
     return {name: torch.zeros(shape, dtype=torch.float64, device=device) for name, shape in sizes.items()}
 
 
@@ -59,7 +64,8 @@ def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
     return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean"]
             + [f"mismatch/{mode}/{name}" for mode in MODES for name in MISMATCH_METRICS]
             + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in moe_layer_numbers]
-            + ["routing/replayed_tokens", "routing/live_tokens"])
+            + ["routing/replayed_tokens", "routing/filler_tokens", "routing/live_tokens",
+               "routing/host_split_microbatches"])
 
 
 def iteration_metrics(
@@ -94,7 +100,10 @@ def iteration_metrics(
     for n, a, p in zip(moe_layer_numbers, agree, pairs):
         metrics[f"routing/agreement/layer_{n}"] = float(a / p) if p else None
     metrics["routing/replayed_tokens"] = int(sums["routing/replayed_tokens"][0])
+    metrics["routing/filler_tokens"] = int(sums["routing/filler_tokens"][0])
     metrics["routing/live_tokens"] = int(sums["routing/live_tokens"][0])
+    host_split, microbatches = (float(v) for v in sums["routing/host_split_microbatches"])
+    metrics["routing/host_split_microbatches"] = host_split / microbatches if microbatches else None
     return metrics
 
 

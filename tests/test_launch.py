@@ -97,16 +97,19 @@ def capture_passes():
     def wrap(owner, original):
         def run_pass(chunks, microbatches, loss_fn, **kwargs):
             # Record every pass (also those the loop does not record) to see the routes taken.
-            outputs, routings = original(chunks, microbatches, loss_fn, **{**kwargs, "record": True})
+            result = original(chunks, microbatches, loss_fn, **{**kwargs, "record": True})
             passes.append({
                 "owner": owner, "record": kwargs.get("record", False),
                 "forward_only": kwargs.get("forward_only", True),
                 "given": [[None if r is None or r.expert_ids is None else r.expert_ids.cpu() for r in per_chunk]
-                          for per_chunk in routings],
+                          for per_chunk in result.routings],
                 "taken": [[None if r is None else r.recorded_expert_ids().cpu() for r in per_chunk]
-                          for per_chunk in routings],
+                          for per_chunk in result.routings],
+                "host_split_microbatches": result.host_split_microbatches,
+                "fillers": [[None if i is None or i.filler_rows is None else i.filler_rows for i in per_chunk]
+                            for per_chunk in result.items],
             })
-            return outputs, routings
+            return result
         return run_pass
 
     policy_trainer.run_pass = wrap("trainer", policy_trainer.run_pass)
@@ -129,14 +132,20 @@ def passes_worker(argv):
     return {**result, "passes": passes}
 
 
-def mismatched_rows(given, taken):
-    """Rows (token, layer) with a route in ``given`` that ``taken`` differs from, and how many had one."""
+def mismatched_rows(given, taken, fillers=None):
+    """Rows (token, layer) with a route in ``given`` that ``taken`` differs from, and how many had one.
+
+    With ``fillers`` (per microbatch and chunk, the filler rows), filler routes do not count.
+    """
     bad = rows = 0
-    for g_chunks, t_chunks in zip(given, taken):
-        for g, t in zip(g_chunks, t_chunks):
+    fillers = fillers or [[None] * len(g) for g in given]
+    for g_chunks, t_chunks, f_chunks in zip(given, taken, fillers):
+        for g, t, f in zip(g_chunks, t_chunks, f_chunks):
             if g is None or g.shape[0] == 0:
                 continue
             replayed = g[..., 0] >= 0
+            if f is not None:
+                replayed &= ~torch.from_numpy(f)
             rows += int(replayed.sum())
             bad += int((g != t).any(-1)[replayed].sum())
     return bad, rows
@@ -164,10 +173,12 @@ def test_the_trainer_replays_the_routes_the_engine_took_under_layouts(layout):
         update = update_pass(passes)
         # Every route the trainer replays is the one the engine's recording pass took for that
         # token, chunk and layer (same packing, same layout), and the trainer's routers took it.
-        bad, replayed = mismatched_rows(update["given"], recording["taken"])
+        bad, replayed = mismatched_rows(update["given"], recording["taken"], update["fillers"])
         assert bad == 0
         replayed_rows += replayed
-        assert mismatched_rows(update["given"], update["taken"])[0] == 0
+        assert mismatched_rows(update["given"], update["taken"])[0] == 0  # fillers too
+        # The final tokens and the padding get filler routes: every microbatch is sync-free.
+        assert update["host_split_microbatches"] == len(update["given"])
         # Like vLLM, the engine gives no route to the final sampled token, and to none other.
         samples = next(p["samples"] for p in passes if "samples" in p)
         for tokens, logprobs, loss_mask, routes in samples:
@@ -175,7 +186,8 @@ def test_the_trainer_replays_the_routes_the_engine_took_under_layouts(layout):
             assert not routed[-1] and routed[:-1].all()
             assert loss_mask.sum() >= 1 and not loss_mask[0] and (logprobs[1:][loss_mask[1:]] <= 0).all()
         history = result["history"][0]
-        assert history["routing/replayed_tokens"] > 0 and history["routing/live_tokens"] > 0
+        assert history["routing/replayed_tokens"] > 0 and history["routing/filler_tokens"] > 0
+        assert history["routing/live_tokens"] == 0 and history["routing/host_split_microbatches"] == 1.0
         assert history["mismatch/replay/logp_abs_diff"] > 0  # the engine runs bf16, the trainer fp32
     assert replayed_rows > 0
     ours, theirs = ([p["samples"] for p in r["passes"] if "samples" in p][0] for r in results)
@@ -303,7 +315,9 @@ def test_torchrun_default_run_logs_progress_and_metrics(torchrun_default_run):
         assert 0 < row["routing/agreement"] < 1
         assert all(0 < row[f"routing/agreement/layer_{n}"] <= 1 for n in moe_layers)
         # Every token is replayed but the final sampled one of each of the 32 samples.
-        assert row["routing/live_tokens"] == 32 and row["routing/replayed_tokens"] == row["tokens"] - 32
+        # Each of the 32 samples' final token has no engine route: it replays a filler route.
+        assert row["routing/filler_tokens"] == 32 and row["routing/replayed_tokens"] == row["tokens"] - 32
+        assert row["routing/live_tokens"] == 0 and row["routing/host_split_microbatches"] == 1.0
 
 
 def test_torchrun_default_run_shows_replay_lowering_the_mismatch(torchrun_default_run):
