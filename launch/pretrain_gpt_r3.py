@@ -395,18 +395,6 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, device: tor
     return chunks
 
 
-def rank_layout(config: TransformerConfig) -> RankLayout:
-    """This rank's place in the layout, as the routing plans need it."""
-    return RankLayout(
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        sequence_parallel=config.sequence_parallel,
-        cp_size=parallel_state.get_context_parallel_world_size(),
-        cp_rank=parallel_state.get_context_parallel_rank(),
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-    )
-
-
 def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
     """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
     check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
@@ -567,7 +555,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         config = transformer_config(args, device)
         chunks = build_model(args, config, device)
         spec = RoutingSpec.from_config(config)
-        rows = RowLayout(rank_layout(config), PipelineSplit.from_config(config), args.seq_length,
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config), args.seq_length,
                          args.micro_batch_size, device)
         optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
                                       weight_decay=args.weight_decay, betas=(0.9, 0.95))

@@ -81,6 +81,7 @@ class MicrobatchPipeline:
         *,
         rollout_routes: bool = False,
         recorded: Optional[Sequence[Sequence[PackedRoutes]]] = None,
+        fillers: bool = True,
     ) -> PreparedMicrobatches:
         """The pass's microbatches, ``rows.micro_batch_size`` samples each, as chunk data iterators.
 
@@ -89,6 +90,8 @@ class MicrobatchPipeline:
             advantages: One per sample, for the update pass.
             rollout_routes: Replay the samples' routes (R3), with fillers where no loss sees.
             recorded: Per microbatch and chunk, recorded routes to replay (R2).
+            fillers: With ``rollout_routes``, give the positions no loss can see filler routes;
+                False routes them live (the microbatch then takes Megatron's device path).
         """
         size = self.rows.micro_batch_size
         if len(samples) % size:
@@ -106,17 +109,19 @@ class MicrobatchPipeline:
                 return [PassItem(index, batch, routes) for routes in recorded[index]]
             if not rollout_routes:
                 return [PassItem(index, batch) for _ in range(self.num_chunks)]
-            return self._with_rollout_routes(index, batch, [samples[i] for i in members])
+            return self._with_rollout_routes(index, batch, [samples[i] for i in members], fillers)
 
         return PreparedMicrobatches(len(groups), prepare, self.num_chunks, self.rows.seq_length)
 
     def _with_rollout_routes(self, index: int, batch: RolloutMicrobatch,
-                             samples: Sequence[RolloutSample]) -> list[PassItem]:
+                             samples: Sequence[RolloutSample], fillers: bool) -> list[PassItem]:
         spec = self.spec
-        routes, next_filler = with_fillers([self._routes_of(s) for s in samples], [s.loss_mask for s in samples])
+        routes, next_filler = [self._routes_of(s) for s in samples], 0
+        if fillers:
+            routes, next_filler = with_fillers(routes, [s.loss_mask for s in samples])
         plans = self.rows.plans(batch, spec.moe_layer_numbers)
         padding = plans[0].num_padding_rows
-        if padding:  # the row's padding reads filler routes appended to the source
+        if padding and fillers:  # the row's padding reads filler routes appended to the source
             ids = filler_expert_ids(padding, next_filler, len(spec.moe_layer_numbers), spec.topk, spec.num_experts,
                                     routes[0].ids.dtype)
             routes.append(RolloutRoutes(ids, np.ones(padding, dtype=bool), spec.num_experts,

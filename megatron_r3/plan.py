@@ -54,6 +54,20 @@ class RankLayout:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.cp_rank < self.cp_size):
             raise ValueError(f"rank outside its group: {self}")
 
+    @classmethod
+    def of_this_rank(cls, sequence_parallel: bool) -> "RankLayout":
+        """This process's place, from Megatron's parallel state."""
+        from megatron.core import parallel_state
+
+        return cls(
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            sequence_parallel=sequence_parallel,
+            cp_size=parallel_state.get_context_parallel_world_size(),
+            cp_rank=parallel_state.get_context_parallel_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        )
+
     @property
     def sp_size(self) -> int:
         """How many ways the sequence dim is split after the embedding."""
