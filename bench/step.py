@@ -49,6 +49,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from launch import pretrain_gpt_r3 as launcher
 from megatron_r3.expert_counts import ExpertCountExchange, local_expert_counts
+from megatron_r3.host_syncs import counted_host_syncs
 from megatron_r3.plan import RankLayout, RoutingPlan
 from megatron_r3.prefetch import PreparedMicrobatches
 from megatron_r3.routes import RolloutRoutes, concat_routes
@@ -197,36 +198,6 @@ def run_step(variant, model, data, exchange, args):
     if variant == "upstream":
         RouterReplay.clear_global_indices()  # its backward list grows otherwise
     return issued
-
-
-@contextlib.contextmanager
-def counted_host_syncs(counts: dict):
-    """Counts sync-debug warnings and Python-level event/stream/device synchronisations."""
-    patched = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
-    originals = [getattr(owner, name) for owner, name in patched]
-    device_sync = torch.cuda.synchronize
-    counts.update(sync_debug=0, waits=0)
-
-    def counting(original):
-        def wrapper(*args, **kwargs):
-            counts["waits"] += 1
-            return original(*args, **kwargs)
-        return wrapper
-
-    for (owner, name), original in zip(patched, originals):
-        setattr(owner, name, counting(original))
-    torch.cuda.synchronize = counting(device_sync)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield counts
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            for (owner, name), original in zip(patched, originals):
-                setattr(owner, name, original)
-            torch.cuda.synchronize = device_sync
-    counts["sync_debug"] = sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def kernel_ms(fn) -> float:

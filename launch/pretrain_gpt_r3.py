@@ -73,6 +73,7 @@ from megatron_r3.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_l
 from megatron_r3.plan import RankLayout
 from megatron_r3.policy_loss import group_advantages
 from megatron_r3.output_files import OutputFileError, check_output
+from megatron_r3.phase_timer import PhaseTimer
 from megatron_r3.policy_trainer import REPLAY_MODES, NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rollout_batch import RowLayout
 from megatron_r3.rollout_dump import RolloutDumpReader, RolloutSample, check_dump_fits
@@ -148,6 +149,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     training.add_argument("--weight-decay", type=float, default=0.0)
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--log-interval", type=int, default=1)
+    training.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
+                          help="1: the progress line also gives the seconds of each phase (rollout, each training "
+                               "pass, optimizer step); the metrics file always has them (time/<phase>_s)")
+    training.add_argument("--count-host-syncs", action="store_true",
+                          help="count the host's waits for the device in each phase (sync-debug syncs and "
+                               "explicit waits), for diagnosis: host_syncs/<phase> in the metrics (CUDA only)")
     training.add_argument("--metrics-file", default=None,
                           help="one JSON object per logged iteration (a resumed run keeps the lines up to its "
                                "checkpoint and continues them; a run from scratch refuses an existing file)")
@@ -561,7 +568,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
                                       weight_decay=args.weight_decay, betas=(0.9, 0.95))
         trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
             replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-            temperature=args.rollout_temperature))
+            temperature=args.rollout_temperature), PhaseTimer(device, args.count_host_syncs))
     except BaseException:
         if source is not None:
             source.close()
@@ -702,7 +709,10 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
     try:
         while run.iteration < args.train_iters:
             iteration = run.iteration + 1
-            batch = run.source.batch(iteration)
+            timer = run.trainer.timer
+            timer.reset()
+            with timer.phase("rollout"):
+                batch = run.source.batch(iteration)
             try:
                 sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
             except NonFiniteStepError as error:
@@ -715,12 +725,13 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
             metrics = iteration_metrics(
                 sums, moe_layers, iteration=iteration, consumed_samples=run.consumed_samples,
                 tokens_per_s=window_tokens / max(now - window_start, 1e-9), elapsed_s=elapsed,
-                eta_s=elapsed / (iteration - first) * (args.train_iters - iteration))
+                eta_s=elapsed / (iteration - first) * (args.train_iters - iteration), seconds=timer.seconds,
+                host_syncs=timer.host_syncs if timer.count_host_syncs else None)
             history.append(metrics)
             if iteration % args.log_interval == 0:
                 window_tokens, window_start = 0, now
                 if logging_rank:
-                    log(progress_line(metrics, args.train_iters))
+                    log(progress_line(metrics, args.train_iters, timers=args.timing_log_level >= 1))
                     metrics_file.write(metrics)
             if args.save and (iteration == args.train_iters
                               or (args.save_interval and iteration % args.save_interval == 0)):

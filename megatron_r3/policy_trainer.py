@@ -42,6 +42,7 @@ from megatron_r3.filler_routes import first_dead_position
 from megatron_r3.grads import reduce_grads
 from megatron_r3.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.model_pass import PassResult, no_loss, run_pass, token_logprobs
+from megatron_r3.phase_timer import PhaseTimer
 from megatron_r3.policy_loss import clipped_policy_loss_sums
 from megatron_r3.replica_comm import is_replica_lead
 from megatron_r3.rollout_batch import RolloutMicrobatch, RowLayout, logprob_mismatch_sums
@@ -99,7 +100,7 @@ class PolicyTrainer:
     """
 
     def __init__(self, chunks, config, optimizer, spec: RoutingSpec, rows: RowLayout,
-                 settings: PolicyUpdateSettings):
+                 settings: PolicyUpdateSettings, timer: Optional[PhaseTimer] = None):
         if (settings.trains_with_replay or settings.compare) and not config.moe_enable_routing_replay:
             raise ValueError("routing replay and --r3-compare need a model built with moe_enable_routing_replay")
         self.chunks = list(chunks)
@@ -114,6 +115,7 @@ class PolicyTrainer:
             exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                            spec.num_experts)
         self.pipeline = MicrobatchPipeline(rows, spec, exchange)
+        self.timer = timer or PhaseTimer(rows.device)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
     def step(self, samples: Sequence[RolloutSample], advantages: Sequence[float],
@@ -145,7 +147,8 @@ class PolicyTrainer:
         sums = zero_sums(len(self.spec.moe_layer_numbers), self.rows.device)
         old_logprobs = recorded = None
         if settings.replay_mode == "r2":
-            old_logprobs, recorded = self._old_logprob_pass(samples)
+            with self.timer.phase("pass/old_logprob"):
+                old_logprobs, recorded = self._old_logprob_pass(samples)
 
         if settings.compare:
             # The comparison pass runs in the other mode and measures routing agreement with the
@@ -153,9 +156,10 @@ class PolicyTrainer:
             # its live top-k. The update pass pays for neither.
             replays = not settings.trains_with_replay
             has_routes = settings.replay_mode != "r2"
-            result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes),
-                              self._mismatch_loss, replay=replays, record=has_routes and not replays,
-                              keep_live_routes=has_routes and replays)
+            with self.timer.phase("pass/compare"):
+                result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes),
+                                  self._mismatch_loss, replay=replays, record=has_routes and not replays,
+                                  keep_live_routes=has_routes and replays)
             self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
             if has_routes:
                 self._add_agreement(sums, result)
@@ -163,7 +167,8 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
                                              recorded=recorded)
-        result = run_pass(self.chunks, microbatches, _PolicyLoss(old_logprobs, settings), forward_only=False)
+        with self.timer.phase("pass/update"):
+            result = run_pass(self.chunks, microbatches, _PolicyLoss(old_logprobs, settings), forward_only=False)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
             for out in result.outputs:
@@ -174,14 +179,15 @@ class PolicyTrainer:
         if is_replica_lead():
             self._add_replica_counts(sums, samples, rewards)
 
-        totals = _all_reduce(sums)
-        trained_tokens = max(float(totals["loss"][1]), 1.0)
-        reduce_grads(self.chunks, self.config)
-        grads = [param.grad for chunk in self.chunks for param in chunk.parameters()]
-        for grad in grads:
-            grad.div_(trained_tokens)
-        _check_finite(float(totals["loss"][0]) / trained_tokens, grads, self.rows.device)
-        self.optimizer.step()
+        with self.timer.phase("optimizer"):
+            totals = _all_reduce(sums)
+            trained_tokens = max(float(totals["loss"][1]), 1.0)
+            reduce_grads(self.chunks, self.config)
+            grads = [param.grad for chunk in self.chunks for param in chunk.parameters()]
+            for grad in grads:
+                grad.div_(trained_tokens)
+            _check_finite(float(totals["loss"][0]) / trained_tokens, grads, self.rows.device)
+            self.optimizer.step()
         return {name: value.cpu().numpy() for name, value in totals.items()}
 
     def _old_logprob_pass(self, samples: Sequence[RolloutSample]):

@@ -42,6 +42,8 @@ import torch
 from megatron_r3.rollout_batch import MISMATCH_METRICS
 
 MODES = ("replay", "live")
+PHASES = ("rollout", "pass/old_logprob", "pass/compare", "pass/update", "optimizer")
+"""The timed phases of an iteration (:class:`~megatron_r3.phase_timer.PhaseTimer`), in order."""
 
 
 def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -65,7 +67,8 @@ def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
             + [f"mismatch/{mode}/{name}" for mode in MODES for name in MISMATCH_METRICS]
             + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in moe_layer_numbers]
             + ["routing/replayed_tokens", "routing/filler_tokens", "routing/live_tokens",
-               "routing/host_split_microbatches"])
+               "routing/host_split_microbatches"]
+            + [f"time/{phase}_s" for phase in PHASES] + [f"host_syncs/{phase}" for phase in PHASES])
 
 
 def iteration_metrics(
@@ -77,8 +80,14 @@ def iteration_metrics(
     tokens_per_s: float,
     elapsed_s: float,
     eta_s: float,
+    seconds: Optional[dict] = None,
+    host_syncs: Optional[dict] = None,
 ) -> dict:
-    """The flat metrics of one iteration from its reduced sums (see the module docstring)."""
+    """The flat metrics of one iteration from its reduced sums (see the module docstring).
+
+    ``seconds`` and ``host_syncs`` are this rank's per phase (:data:`PHASES`); a phase that
+    did not run, or syncs that were not counted, are None.
+    """
     loss_sum, loss_tokens = (float(v) for v in sums["loss"])
     reward_sum, reward_count = (float(v) for v in sums["reward"])
     agree, pairs = sums["agreement"]
@@ -104,11 +113,18 @@ def iteration_metrics(
     metrics["routing/live_tokens"] = int(sums["routing/live_tokens"][0])
     host_split, microbatches = (float(v) for v in sums["routing/host_split_microbatches"])
     metrics["routing/host_split_microbatches"] = host_split / microbatches if microbatches else None
+    for phase in PHASES:
+        metrics[f"time/{phase}_s"] = (seconds or {}).get(phase)
+    for phase in PHASES:
+        metrics[f"host_syncs/{phase}"] = (host_syncs or {}).get(phase)
     return metrics
 
 
-def progress_line(metrics: dict, train_iters: int) -> str:
-    """Megatron-style one-line summary: iteration, loss, reward, k3 KL per mode, agreement, tokens/s, ETA."""
+def progress_line(metrics: dict, train_iters: int, timers: bool = False) -> str:
+    """Megatron-style one-line summary: iteration, loss, reward, k3 KL per mode, agreement, tokens/s, ETA.
+
+    With ``timers``, then the seconds of each phase that ran (and its host syncs, if counted).
+    """
     parts = [f" iteration {metrics['iteration']:8d}/{train_iters:8d}",
              f"consumed samples: {metrics['consumed_samples']:10d}",
              f"loss: {_number(metrics['loss'], '.6E')}",
@@ -120,6 +136,11 @@ def progress_line(metrics: dict, train_iters: int) -> str:
     parts += [f"agreement: {_number(metrics['routing/agreement'], '.4f')}",
               f"tokens/s: {metrics['tokens_per_s']:.1f}",
               f"ETA: {datetime.timedelta(seconds=round(metrics['eta_s']))}"]
+    if timers:
+        for phase in PHASES:
+            seconds, syncs = metrics[f"time/{phase}_s"], metrics[f"host_syncs/{phase}"]
+            if seconds is not None:
+                parts.append(f"{phase} {seconds:.3f}s" + (f" ({syncs} syncs)" if syncs is not None else ""))
     return " | ".join(parts)
 
 

@@ -318,6 +318,9 @@ def test_torchrun_default_run_logs_progress_and_metrics(torchrun_default_run):
         # Each of the 32 samples' final token has no engine route: it replays a filler route.
         assert row["routing/filler_tokens"] == 32 and row["routing/replayed_tokens"] == row["tokens"] - 32
         assert row["routing/live_tokens"] == 0 and row["routing/host_split_microbatches"] == 1.0
+        # Where the iteration's time went; R3 has no old-log-prob pass; syncs were not counted.
+        assert all(row[f"time/{phase}_s"] > 0 for phase in ("rollout", "pass/compare", "pass/update", "optimizer"))
+        assert row["time/pass/old_logprob_s"] is None and row["host_syncs/pass/update"] is None
 
 
 def test_torchrun_default_run_shows_replay_lowering_the_mismatch(torchrun_default_run):

@@ -2,11 +2,13 @@
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_r3.phase_timer import PhaseTimer
 from megatron_r3.routing_agreement import routing_agreement_counts
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, metric_keys, progress_line, zero_sums
 
@@ -75,3 +77,24 @@ def test_agreement_counts_engine_routed_pairs_where_the_trainer_chose_the_same_s
 def test_a_chunk_without_moe_layers_counts_nothing():
     empty = torch.empty((0, 3, 2), dtype=torch.int64)
     assert routing_agreement_counts(empty, empty, [], (2,)).sum() == 0
+
+
+def test_phase_timer_adds_up_phases_and_the_progress_line_shows_them():
+    timer = PhaseTimer(torch.device("cpu"), count_host_syncs=True)
+    for _ in range(2):
+        with timer.phase("pass/update"):
+            time.sleep(0.01)
+    with timer.phase("rollout"):
+        pass
+    assert timer.seconds["pass/update"] >= 0.02 and set(timer.seconds) == {"pass/update", "rollout"}
+    assert timer.host_syncs == {"pass/update": 0, "rollout": 0}  # nothing waits on a CPU
+    sums = zero_sums(1, torch.device("cpu"))
+    sums = {name: value.numpy() for name, value in sums.items()}
+    metrics = iteration_metrics(sums, (2,), iteration=1, consumed_samples=4, tokens_per_s=1.0, elapsed_s=1.0,
+                                eta_s=0.0, seconds=timer.seconds, host_syncs=timer.host_syncs)
+    assert metrics["time/pass/update_s"] == timer.seconds["pass/update"] and metrics["time/optimizer_s"] is None
+    line = progress_line(metrics, 10, timers=True)
+    assert "pass/update 0.0" in line and "(0 syncs)" in line and "optimizer" not in line
+    assert "pass/update" not in progress_line(metrics, 10)
+    timer.reset()
+    assert timer.seconds == {} and timer.host_syncs == {}
