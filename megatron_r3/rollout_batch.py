@@ -122,14 +122,15 @@ def pack_rollout_microbatch(
     index, _, position = thd_zigzag_index(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
 
     def local(name):
-        return torch.from_numpy(row[name])[index].unsqueeze(0).to(device)
+        return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
 
+    cu, cu_padded = _to_device(cu, device), _to_device(cu_padded, device)
     params = PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu.to(device),
-        cu_seqlens_kv=cu.to(device),
-        cu_seqlens_q_padded=cu_padded.to(device),
-        cu_seqlens_kv_padded=cu_padded.to(device),
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=int(padded.max()),
         max_seqlen_kv=int(padded.max()),
     )
@@ -140,13 +141,20 @@ def pack_rollout_microbatch(
         rollout_logprobs=local("logprobs"),
         advantages=local("advantages"),
         dead_mask=local("dead"),
-        position_ids=position.unsqueeze(0).to(device),
+        position_ids=_to_device(position.unsqueeze(0), device),
         row_index=index.to(torch.int64),
         packed_seq_params=params,
         sample_lens=lens,
         padded_lens=[int(p) for p in padded],
         seq_length=seq_length,
     )
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy to a GPU (through pinned memory: a pageable copy waits for the device)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
