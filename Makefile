@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
-	@echo "make bench          benchmarks (GPU): packing kernel, training step (1 GPU, EP=2 on 2 GPUs); build/bench/"
+	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs); build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM   apply patches/ to your checkout"
 
@@ -25,12 +25,15 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = os.cpu_count() or 1; print(
 test: $(VPY)
 	$(VPY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# Packing kernel, then the training step on one GPU and, with two or more, EP=2 under torchrun.
+# Packing kernel, then the trainer's update pass on rollout-shaped data (the loop benchmark) and on
+# full rows, on one GPU and, with two or more, at EP=2 under torchrun.
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)
-	$(VPY) -m bench.step --out build/bench/step-ep1.md
+	$(VPY) -m bench.step --data rollout --out build/bench/loop-ep1.md
+	$(VPY) -m bench.step --data full --out build/bench/step-ep1.md
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
-	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --out build/bench/step-ep2.md; fi
+	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md && \
+	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data full --out build/bench/step-ep2.md; fi
 
 # The base version and sdist come from tools/patch_series.py (one place to change them).
 BASE := $(word 1,$(shell $(PYTHON) tools/patch_series.py base))

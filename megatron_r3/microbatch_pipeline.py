@@ -22,7 +22,7 @@ call the prefetch hook once a forward is issued (:mod:`megatron_r3.prefetch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,6 +82,7 @@ class MicrobatchPipeline:
         rollout_routes: bool = False,
         recorded: Optional[Sequence[Sequence[PackedRoutes]]] = None,
         fillers: bool = True,
+        then: Optional[Callable[[list[PassItem]], None]] = None,
     ) -> PreparedMicrobatches:
         """The pass's microbatches, ``rows.micro_batch_size`` samples each, as chunk data iterators.
 
@@ -92,6 +93,8 @@ class MicrobatchPipeline:
             recorded: Per microbatch and chunk, recorded routes to replay (R2).
             fillers: With ``rollout_routes``, give the positions no loss can see filler routes;
                 False routes them live (the microbatch then takes Megatron's device path).
+            then: Called with each microbatch's items once they are prepared (the step
+                benchmark hands the routes to upstream ``RouterReplay`` this way).
         """
         size = self.rows.micro_batch_size
         if len(samples) % size:
@@ -101,6 +104,12 @@ class MicrobatchPipeline:
             raise ValueError(f"recorded routes for {len(recorded)} microbatches, the pass has {len(groups)}")
 
         def prepare(index: int) -> list[PassItem]:
+            items = prepare_items(index)
+            if then is not None:
+                then(items)
+            return items
+
+        def prepare_items(index: int) -> list[PassItem]:
             members = groups[index]
             batch = pack_rollout_microbatch([samples[i] for i in members], self.rows.rank, self.rows.seq_length,
                                             self.rows.device,

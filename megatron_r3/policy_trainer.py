@@ -168,7 +168,7 @@ class PolicyTrainer:
         microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
                                              recorded=recorded)
         with self.timer.phase("pass/update"):
-            result = run_pass(self.chunks, microbatches, _PolicyLoss(old_logprobs, settings), forward_only=False)
+            result = run_pass(self.chunks, microbatches, PolicyLoss(old_logprobs, settings), forward_only=False)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
             for out in result.outputs:
@@ -248,7 +248,7 @@ class PolicyTrainer:
                                            device=sums["reward"].device)
 
 
-class _PolicyLoss:
+class PolicyLoss:
     """The update pass's loss function: clipped policy-gradient loss sum, and mismatch sums."""
 
     def __init__(self, old_logprobs: Optional[Sequence[torch.Tensor]], settings: PolicyUpdateSettings):

@@ -1,8 +1,6 @@
 """GPU: a replayed training step with host split sizes makes no host sync (forward, backward,
 full recompute), on one GPU and with EP=2 over NCCL; the same step without host split sizes does."""
 
-import contextlib
-import warnings
 from functools import partial
 
 import pytest
@@ -10,6 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_r3.host_syncs import counted_host_syncs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
@@ -32,26 +31,6 @@ def prepared_forward_step(data_iterator, model):
     per_token_loss = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
                            labels=mb.labels, extra_block_kwargs={"moe_routing": routing})
     return per_token_loss, partial(loss_func, mb)
-
-
-@contextlib.contextmanager
-def counted_waits(counts):
-    """Counts event and stream synchronisations (set_sync_debug_mode does not see them)."""
-    originals = {cls: cls.synchronize for cls in (torch.cuda.Event, torch.cuda.Stream)}
-
-    def counting(original):
-        def wrapper(*args, **kwargs):
-            counts["waits"] += 1
-            return original(*args, **kwargs)
-        return wrapper
-
-    for cls, original in originals.items():
-        cls.synchronize = counting(original)
-    try:
-        yield
-    finally:
-        for cls, original in originals.items():
-            cls.synchronize = original
 
 
 def run_step(chunk, prepared):
@@ -85,9 +64,8 @@ def step_worker(layout, host_counts, debug_mode):
         run_step(chunk, prepared)
         chunk.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        counts = {"waits": 0}
-        with warnings.catch_warnings(record=True) as caught, counted_waits(counts):
-            warnings.simplefilter("always")
+        counts = {}
+        with counted_host_syncs(counts):
             torch.cuda.set_sync_debug_mode(debug_mode)
             try:
                 run_step(chunk, prepared)
@@ -95,8 +73,7 @@ def step_worker(layout, host_counts, debug_mode):
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         grad_norm = sum(float(p.grad.float().norm()) for p in chunk.parameters() if p.grad is not None)
-        syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-        return {"waits": counts["waits"], "sync_warnings": len(syncs),
+        return {"waits": counts["waits"], "sync_warnings": counts["sync_debug"],
                 "grad_norm": grad_norm}
     finally:
         parallel_state.destroy_model_parallel()
@@ -115,3 +92,48 @@ def test_replayed_step_with_host_splits_makes_no_host_sync(layout):
     # The same step without host split sizes syncs: the check above can fail.
     for result in run_workers(step_worker, layout.world_size, layout, False, "warn", backend="nccl"):
         assert result["waits"] + result["sync_warnings"] > 0
+
+
+def launcher_update_pass_worker(argv, fillers):
+    """The launcher's R3 update pass (embedded default, rollout-shaped samples from its engine)
+    under ``set_sync_debug_mode("error")`` with filler routes, or counted without them."""
+    from launch import pretrain_gpt_r3 as launcher
+    from megatron_r3.model_pass import run_pass
+    from megatron_r3.policy_trainer import PolicyLoss
+
+    args = launcher.parse_args(argv)
+    device = launcher.initialize(args)
+    try:
+        run = launcher.setup(args, device)
+        batch = run.source.batch(1)  # the engine's samples: no route for each final token
+        trainer = run.trainer
+
+        def update_pass():
+            microbatches = trainer.pipeline.prepare(batch.samples, batch.advantages, rollout_routes=True,
+                                                    fillers=fillers)
+            return run_pass(trainer.chunks, microbatches, PolicyLoss(None, trainer.settings), forward_only=False)
+
+        update_pass()  # one-time moves (rotary inv_freq to the GPU) and allocator warm-up
+        torch.cuda.synchronize()
+        counts = {}
+        with counted_host_syncs(counts):
+            torch.cuda.set_sync_debug_mode("error" if fillers else "warn")
+            try:
+                result = update_pass()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        run.source.close()
+        return {"syncs": counts["sync_debug"] + counts["waits"], "host_split": result.host_split_microbatches,
+                "microbatches": len(result.items)}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_launchers_replayed_update_pass_makes_no_host_sync():
+    argv = ["--moe-enable-routing-replay", "--train-iters", "1"]
+    (result,) = run_workers(launcher_update_pass_worker, 1, argv, True, backend="nccl")
+    assert result["syncs"] == 0 and result["host_split"] == result["microbatches"] > 0
+    # Without fillers the final tokens route live: Megatron's device path, which syncs.
+    (result,) = run_workers(launcher_update_pass_worker, 1, argv, False, backend="nccl")
+    assert result["syncs"] > 0 and result["host_split"] == 0
