@@ -35,7 +35,7 @@ and log-probs that are not finite or above 0 in the recorded samples
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -114,6 +114,7 @@ class RolloutEngine:
         self.spec = spec
         self.rows = rows
         self.pipeline = MicrobatchPipeline(rows, spec)
+        self._generation_pipelines: dict[int, MicrobatchPipeline] = {}
         self.sampling = sampling
         self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
         for chunk in self.chunks:
@@ -153,7 +154,7 @@ class RolloutEngine:
                     rows[i] = logits[0, int(local[0])].float()
             return no_loss({"rows": rows}, logits)
 
-        outputs = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]),
+        outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),
                            last_position_logits).outputs
         count = len(tokens)
         drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
@@ -175,6 +176,25 @@ class RolloutEngine:
                 f"NaN or inf, or its activations overflowed"
             )
         return drawn
+
+    def _generation_pipeline(self, count: int) -> MicrobatchPipeline:
+        """``count`` samples in as few rows as the schedule allows (one per pipeline stage).
+
+        Generation runs a pass per sampled token; packing the samples into fewer, longer rows
+        (the trainer's rows side by side) spares the host the per-microbatch work of each of
+        those passes. The recording pass packs like the trainer, so each recorded route sits
+        where the trainer replays it.
+        """
+        if count not in self._generation_pipelines:
+            rows = self.rows
+            trainer_rows = count // rows.micro_batch_size
+            stages = parallel_state.get_pipeline_model_parallel_world_size()
+            if trainer_rows % stages == 0:  # interleaved 1F1B needs a microbatch per stage
+                per_row = trainer_rows // stages
+                rows = replace(rows, micro_batch_size=rows.micro_batch_size * per_row,
+                               seq_length=rows.seq_length * per_row)
+            self._generation_pipelines[count] = MicrobatchPipeline(rows, self.spec)
+        return self._generation_pipelines[count]
 
     def _sampling_seed(self, iteration: int, step: int) -> int:
         dp_rank = parallel_state.get_data_parallel_rank()
