@@ -2,7 +2,7 @@
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
 # 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
-# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing and training-step benchmarks  5. `make test`, the whole suite, with per-test timings (stopped
+# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark and the update-pass (loop) benchmark  5. `make test`, the whole suite, with per-test timings (stopped
 # after SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +37,11 @@ grep " iteration " "$out/launch.log" | tail -3
 echo "embedded run exit status: $?" | tee -a "$out/embedded.log"
 grep " iteration " "$out/embedded.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
-.venv/bin/python -m bench.step --out "$out/step-ep1.md" > "$out/step-ep1.log" 2>&1; grep "^|" "$out/step-ep1.log"
+.venv/bin/python -m bench.step --data rollout --out "$out/loop-ep1.md" > "$out/loop-ep1.log" 2>&1
+grep "^|" "$out/loop-ep1.log"
 if [ "$ngpu" -ge 2 ]; then
-  .venv/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --out "$out/step-ep2.md" \
-    > "$out/step-ep2.log" 2>&1; grep "^|" "$out/step-ep2.log"
+  .venv/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout \
+    --out "$out/loop-ep2.md" > "$out/loop-ep2.log" 2>&1; grep "^|" "$out/loop-ep2.log"
 fi
 timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
   > "$out/test.log" 2>&1
