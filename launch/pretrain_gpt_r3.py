@@ -190,6 +190,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default=None,
                     help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3, the default) "
                          "or those of the trainer's own old-log-prob pass (r2)")
+    rl.add_argument("--no-filler-routes", dest="filler_routes", action="store_false",
+                    help="route the positions no loss can see (each sample's final token, padding) live instead "
+                         "of giving them filler routes: their microbatches then take Megatron's dispatch path, "
+                         "with a host sync per MoE layer (for comparison; see docs/routing_replay.md)")
     rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
                     help="one more forward-only pass per iteration in the other routing mode, to report the "
                          "mismatch with and without replay (default: on without --rollout-dump)")
@@ -568,7 +572,8 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
                                       weight_decay=args.weight_decay, betas=(0.9, 0.95))
         trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
             replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-            temperature=args.rollout_temperature), PhaseTimer(device, args.count_host_syncs))
+            temperature=args.rollout_temperature, filler_routes=args.filler_routes),
+            PhaseTimer(device, args.count_host_syncs))
     except BaseException:
         if source is not None:
             source.close()

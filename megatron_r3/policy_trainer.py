@@ -69,12 +69,15 @@ class PolicyUpdateSettings:
         compare: Also run a forward-only pass in the other mode and report both.
         clip_ratio: PPO clip epsilon.
         temperature: The sampling temperature the log-probs refer to.
+        filler_routes: Replaying the rollout's routes, give the positions no loss can see filler
+            routes (the sync-free path); False routes them live.
     """
 
     replay_mode: Optional[str]
     compare: bool
     clip_ratio: float
     temperature: float
+    filler_routes: bool = True
 
     def __post_init__(self):
         if self.replay_mode not in (None, *REPLAY_MODES):
@@ -157,7 +160,8 @@ class PolicyTrainer:
             replays = not settings.trains_with_replay
             has_routes = settings.replay_mode != "r2"
             with self.timer.phase("pass/compare"):
-                result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes),
+                result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes,
+                                                                 fillers=settings.filler_routes),
                                   self._mismatch_loss, replay=replays, record=has_routes and not replays,
                                   keep_live_routes=has_routes and replays)
             self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
@@ -166,7 +170,7 @@ class PolicyTrainer:
 
         self.optimizer.zero_grad(set_to_none=True)
         microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
-                                             recorded=recorded)
+                                             recorded=recorded, fillers=settings.filler_routes)
         with self.timer.phase("pass/update"):
             result = run_pass(self.chunks, microbatches, PolicyLoss(old_logprobs, settings), forward_only=False)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
@@ -235,7 +239,8 @@ class PolicyTrainer:
                 valid = s.routes.valid if s.routes is not None else np.zeros(len(s.token_ids), bool)
                 dead_from = first_dead_position(s.loss_mask)
                 replayed += int(valid.sum())
-                filler += int((~valid[dead_from:]).sum())
+                if self.settings.filler_routes:
+                    filler += int((~valid[dead_from:]).sum())
         elif self.settings.replay_mode == "r2":
             replayed = tokens
         sums["tokens"] += tokens

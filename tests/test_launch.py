@@ -238,6 +238,21 @@ def test_dump_routes_replayed_are_the_routes_taken(tmp_path):
         assert bad == 0 and replayed > 0
 
 
+def test_dump_mode_runs_sync_free_with_the_loss_curve_of_the_live_tail(tmp_path):
+    """A vLLM-shaped dump (every token routed but each sample's final one): with filler routes
+    every update microbatch takes the host-split path, and the losses are those of routing the
+    final tokens live (the expert GEMMs' token groups change: a tolerance of fp32 rounding)."""
+    dump = write_dump(tmp_path / "rollouts.r3dump")
+    flags = ["--moe-enable-routing-replay", *LAYOUTS["ep2"]]
+    filled = run(dump, 2, *flags)[0]["history"]
+    live_tail = run(dump, 2, *flags, "--no-filler-routes")[0]["history"]
+    assert [h["routing/host_split_microbatches"] for h in filled] == [1.0] * 3
+    assert [h["routing/host_split_microbatches"] for h in live_tail] == [0.0] * 3
+    assert all(h["routing/filler_tokens"] > 0 for h in filled)
+    assert all(h["routing/filler_tokens"] == 0 and h["routing/live_tokens"] > 0 for h in live_tail)
+    assert [h["loss"] for h in filled] == pytest.approx([h["loss"] for h in live_tail], rel=1e-5, abs=1e-6)
+
+
 def test_tokens_without_routes_train_like_live_routing(tmp_path):
     routed = write_dump(tmp_path / "routed.r3dump", routed=True)
     unrouted = write_dump(tmp_path / "unrouted.r3dump", routed=False)
