@@ -1,22 +1,17 @@
 """Single-process Megatron fixtures for the routing-replay tests (gloo group of one)."""
 
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.transformer_config import TransformerConfig
-
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 NUM_EXPERTS = 8
 TOPK = 2
 VOCAB = 64
-SEQ = 16
 
 
 def init_single_rank():
@@ -65,45 +60,8 @@ def make_model(config, seed=7):
     )
 
 
-def make_batch(batch_size=2, seq=SEQ, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    labels = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch_size, -1)
-    return tokens, position_ids, labels
-
-
 def random_routes(num_layers, num_tokens, seed=0, num_experts=NUM_EXPERTS, topk=TOPK):
     """int64 [num_layers, num_tokens, topk] distinct random experts per token."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(num_layers, num_tokens, num_experts, generator=gen)
     return scores.topk(topk, dim=-1).indices.to(torch.int64)
-
-
-def moe_layers(model):
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
-@contextmanager
-def capture_routes(model):
-    """Record each MoE layer's routing map per call: {layer_number: [bool [T, E], ...]}."""
-    seen = {}
-    handles = []
-    for layer in moe_layers(model):
-
-        def hook(module, args, output, layer_number=layer.layer_number):
-            seen.setdefault(layer_number, []).append(output[1].detach().clone())
-
-        handles.append(layer.router.register_forward_hook(hook))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def routes_as_map(expert_ids, num_experts=NUM_EXPERTS):
-    """bool [T, E] routing map of an int64 [T, k] route tensor."""
-    return torch.zeros(expert_ids.shape[0], num_experts, dtype=torch.bool).scatter(
-        1, expert_ids, True
-    )
