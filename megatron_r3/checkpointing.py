@@ -464,6 +464,9 @@ def _check_tensors_fit(path: str, sharded: dict) -> None:
             continue
         if tensor.key not in saved:
             problem = f"the checkpoint has no tensor {tensor.key}"
+            if tensor.key.startswith("optimizer."):
+                problem += (" (the optimizer that saved it kept other state: distributed or not, fp32 or bf16 "
+                            "parameters)")
             break
         if tuple(saved[tensor.key].global_shape) != tuple(tensor.global_shape):
             problem = (f"tensor {tensor.key} has shape {tuple(saved[tensor.key].global_shape)} in the checkpoint, "
