@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from megatron_r3.adapters import RoutingSpec
 from megatron_r3.model_pass import no_loss, run_pass, token_logprobs
@@ -123,7 +124,8 @@ class PolicyTrainer:
             rewards: One per sample, for the reward metric (None: not known).
 
         Returns:
-            The iteration's sums over all ranks (:func:`megatron_r3.train_metrics.zero_sums`).
+            The iteration's sums over all ranks (:func:`megatron_r3.train_metrics.zero_sums`), and the
+            step's ``lr`` and ``grad_norm``.
 
         Raises:
             SampleValueError: a sample without rollout log-probs, or with values the loss cannot take.
@@ -176,21 +178,26 @@ class PolicyTrainer:
             self._add_replica_counts(sums, samples, rewards)
 
         totals = _all_reduce(sums)
-        self._optimizer_step(float(totals["loss"][0]) / max(float(totals["loss"][1]), 1.0))
-        return {name: value.cpu().numpy() for name, value in totals.items()}
+        lr, grad_norm = self._optimizer_step(float(totals["loss"][0]) / max(float(totals["loss"][1]), 1.0))
+        out = {name: value.cpu().numpy() for name, value in totals.items()}
+        out["lr"], out["grad_norm"] = np.array([lr]), np.array([grad_norm])
+        return out
 
-    def _optimizer_step(self, loss: float) -> None:
+    def _optimizer_step(self, loss: float) -> tuple[float, float]:
         """Megatron's optimizer step and one scheduler step; on every rank, nothing is applied when
-        the (all-reduced) loss or the gradient norm is not finite."""
+        the (all-reduced) loss or the gradient norm is not finite. Returns the step's learning rate
+        and gradient norm."""
         if not math.isfinite(loss):
             raise NonFiniteStepError(f"the loss is {loss}: not finite, so the optimizer did not step and nothing "
                                      f"was saved (a weight or an activation overflowed?)")
+        lr = get_canonical_lr_for_logging(self.stack.optimizer.param_groups)
         stepped, grad_norm, _ = self.stack.optimizer.step()
         if not stepped:  # a norm that is not finite: the optimizer skipped the update
             raise NonFiniteStepError(f"the loss is {loss} and the gradient norm over all ranks is {grad_norm}: not "
                                      f"finite, so the optimizer did not step and nothing was saved (a weight or an "
                                      f"activation overflowed?)")
         self.stack.scheduler.step(increment=1)
+        return lr, float(grad_norm)
 
     def _old_logprob_pass(self, batches: Sequence[RolloutMicrobatch]):
         """R2: record the routes and log-probs of the current weights; the update replays them."""

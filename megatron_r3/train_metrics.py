@@ -11,6 +11,8 @@ keys (``None`` where the iteration did not measure a value):
   ``eta_s`` for the remaining iterations at the average pace so far;
 * ``loss``: the clipped policy-gradient loss, averaged over completion tokens;
 * ``reward/mean``: mean reward of the iteration's samples;
+* ``lr``, ``grad_norm``: the learning rate of the iteration's optimizer step and the
+  global gradient norm before clipping (what the trainer's step reports, not sums);
 * ``mismatch/{replay,live}/...``: the trainer's log-probs with replay / with live
   routing against the rollout engine's, over completion tokens, ``d = logp_rollout -
   logp_train``: ``logp_abs_diff`` (mean ``|d|``), ``logp_sq_diff`` (mean ``d**2``),
@@ -56,7 +58,8 @@ def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tens
 
 def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
     """The keys of :func:`iteration_metrics`, in order."""
-    return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean"]
+    return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean",
+             "lr", "grad_norm"]
             + [f"mismatch/{mode}/{name}" for mode in MODES for name in MISMATCH_METRICS]
             + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in moe_layer_numbers]
             + ["routing/replayed_tokens", "routing/live_tokens"])
@@ -72,7 +75,8 @@ def iteration_metrics(
     elapsed_s: float,
     eta_s: float,
 ) -> dict:
-    """The flat metrics of one iteration from its reduced sums (see the module docstring)."""
+    """The flat metrics of one iteration from its reduced sums, and the step's ``lr`` and ``grad_norm`` where
+    ``sums`` has them (see the module docstring)."""
     loss_sum, loss_tokens = (float(v) for v in sums["loss"])
     reward_sum, reward_count = (float(v) for v in sums["reward"])
     agree, pairs = sums["agreement"]
@@ -85,6 +89,8 @@ def iteration_metrics(
         "eta_s": eta_s,
         "loss": loss_sum / loss_tokens if loss_tokens else None,
         "reward/mean": reward_sum / reward_count if reward_count else None,
+        "lr": float(sums["lr"][0]) if "lr" in sums else None,
+        "grad_norm": float(sums["grad_norm"][0]) if "grad_norm" in sums else None,
     }
     for mode in MODES:
         totals = sums[f"mismatch/{mode}"]
@@ -104,6 +110,8 @@ def progress_line(metrics: dict, train_iters: int) -> str:
              f"consumed samples: {metrics['consumed_samples']:10d}",
              f"loss: {_number(metrics['loss'], '.6E')}",
              f"reward: {_number(metrics['reward/mean'], '.4f')}"]
+    if metrics["lr"] is not None:
+        parts += [f"lr: {metrics['lr']:.3E}", f"grad norm: {_number(metrics['grad_norm'], '.3f')}"]
     for mode in MODES:
         k3 = metrics[f"mismatch/{mode}/k3_kl"]
         if k3 is not None:

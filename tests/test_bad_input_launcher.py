@@ -71,6 +71,15 @@ FLAG_CASES = [
     (["--allow-truncated-rollout-dump"], "--allow-truncated-rollout-dump needs --rollout-dump"),
     (["--metrics-file", "m.jsonl", "--append-metrics-file", "--overwrite-metrics-file"],
      "argument --overwrite-metrics-file: not allowed with argument --append-metrics-file"),
+    (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0.0, got -1.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be a finite number >= 0.0 and < 1.0, got 1.0"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0, got 0.0"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1, got 0"),
+    (["--min-lr", "1e-3"], "--min-lr 0.001 is larger than --lr 0.0001"),
+    (["--lr-warmup-iters", "40"], "--lr-warmup-iters 40 must be smaller than --lr-decay-iters 40 (default: "
+                                  "--train-iters)"),
+    (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"],
+     "argument --use-checkpoint-opt-param-scheduler: not allowed with argument --override-opt-param-scheduler"),
 ]
 
 
