@@ -120,7 +120,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     model.add_argument("--bf16", action="store_true",
-                       help="train in bf16 parameters and activations (default fp32; the rollout engine is bf16)")
+                       help="train in bf16 parameters and activations, with fp32 main weights in the optimizer "
+                            "(default fp32; the rollout engine is bf16)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
