@@ -6,10 +6,11 @@ gradient reduction) gives the same numbers as the loop before it: a plain ``torc
 over the chunks, gradients all-reduced parameter by parameter over the data-parallel group
 (expert parameters over the expert data-parallel group) and scaled by the iteration's token
 count. Both are Adam (without TransformerEngine or Apex Megatron's Adam is ``torch.optim.AdamW``)
-with the same hyper-parameters, on the same float32 gradients: the sum of two ranks' gradients
-is exact in either order, so the tolerance is zero: every metric of every iteration is equal.
-Anything else would show at once: the engine samples from the policy's weights, so a
-last-bit difference in a weight flips a sampled token within a few iterations and the runs part.
+with the same hyper-parameters (no weight decay, the default: Megatron exempts biases and norms
+from it), on the same float32 gradients: the sum of two ranks' gradients is exact in either
+order, so the tolerance is zero: every metric of every iteration is equal. Anything else would
+show at once: the engine samples from the policy's weights, so a last-bit difference in a weight
+flips a sampled token within a few iterations and the runs part.
 
 Two choices make "the same" exact: the reference scales the gradients by the float32 reciprocal
 of the token count, as ``finalize_model_grads`` does (the old loop divided, which differs in the
@@ -26,6 +27,7 @@ from megatron.core import parallel_state
 
 from tests.support.launcher import run_workers
 from tests.test_launch import DUMP_FLAGS, write_dump
+from tests.test_launch import LAYOUTS as DUMP_LAYOUTS
 
 UNCOMPARED = ("tokens_per_s", "elapsed_s", "eta_s", "grad_norm")  # timing; the reference computes no norm
 LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"]}
@@ -78,12 +80,12 @@ class _TodaysStack:
 
 
 def loops_worker(argv, stacks):
-    """The launcher's loop once on the old loop's stack, then once per entry of ``stacks``, in this process."""
+    """The launcher's loop once per entry of ``stacks`` (``"reference"``: on the old loop's stack), in this process."""
     from launch import pretrain_gpt_r3 as launcher
 
     build = launcher.build_training_stack
     histories = {}
-    for name, flags in {"reference": [], **stacks}.items():
+    for name, flags in stacks.items():
         launcher.build_training_stack = _TodaysStack if name == "reference" else build
         args = launcher.parse_args(argv + flags)
         device = launcher.initialize(args)
@@ -99,7 +101,7 @@ def loops_worker(argv, stacks):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_loop_on_megatrons_stack_matches_the_loop_before_it(layout):
     argv = ["--moe-enable-routing-replay", "--train-iters", "10", "--clip-grad", "0", *LAYOUTS[layout]]
-    histories = run_workers(loops_worker, 2, argv, STACKS, backend="gloo", timeout=600)[-1]
+    histories = run_workers(loops_worker, 2, argv, {"reference": [], **STACKS}, backend="gloo", timeout=600)[-1]
     reference = histories.pop("reference")
     assert [h["iteration"] for h in reference] == list(range(1, 11))
     assert len({h["reward/mean"] for h in reference}) > 1  # the samples change from iteration to iteration
@@ -110,6 +112,21 @@ def test_the_loop_on_megatrons_stack_matches_the_loop_before_it(layout):
             differing = {key: (ours[key], old[key]) for key in ours if key not in UNCOMPARED and ours[key] != old[key]}
             assert not differing, f"{name}, iteration {ours['iteration']}: {differing}"
             assert math.isfinite(ours["grad_norm"]) and ours["grad_norm"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2-sp", "cp2", "pp2-vp2"])
+def test_the_distributed_optimizer_and_overlapped_reduction_change_no_number(tmp_path, layout):
+    """Under the layouts whose gradients need more than the data-parallel reduction (SP's norms, CP's
+    data-parallel-and-context group, two chunks per rank of which only the first is bucketed)."""
+    argv = DUMP_FLAGS + ["--rollout-dump", write_dump(tmp_path / "rollouts.r3dump"), "--train-iters", "3",
+                         "--moe-enable-routing-replay", *DUMP_LAYOUTS[layout]]
+    stacks = {"plain": [], "distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                               "--ddp-bucket-size", "5000"]}
+    histories = run_workers(loops_worker, 2, argv, stacks, backend="gloo")[-1]
+    assert [h["loss"] for h in histories["distopt-overlap"]] == [h["loss"] for h in histories["plain"]]
+    assert [h["grad_norm"] for h in histories["distopt-overlap"]] == pytest.approx(
+        [h["grad_norm"] for h in histories["plain"]], rel=1e-5)  # a norm of shards sums in another order
 
 
 def schedule_worker(argv):
