@@ -22,9 +22,8 @@ then Megatron's optimizer steps and the learning-rate schedule advances, unless 
 loss or the gradient norm is not finite: then every rank raises
 :class:`NonFiniteStepError`, with the weights and the optimizer state as they were
 before the step (the optimizer skips an update whose gradient norm is not finite).
-Samples are checked
-where they enter :meth:`PolicyTrainer.step` (log-probs finite and ``<= 0``,
-advantages finite). Every metric leaves as a sum (reduced across all ranks in
+Samples are checked where they enter :meth:`PolicyTrainer.step` (log-probs finite
+and ``<= 0``, advantages finite). Every metric leaves as a sum (reduced across all ranks in
 one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
 :mod:`megatron_r3.train_metrics`.
 """
