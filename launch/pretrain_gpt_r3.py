@@ -17,7 +17,10 @@ logged iteration shows the train/rollout mismatch with and without R3.
 With ``--rollout-dump`` the samples come from a rollout dump instead
 (``megatron_r3.rollout_dump``, read again from the start when it runs out; each
 sample's metadata holds its ``reward`` or ``advantage``), trained with the same
-loss and metrics.
+loss and metrics. The policy trains through Megatron's stack
+(``megatron_r3.training_stack``: DDP, ``finalize_model_grads``, Megatron's Adam, the
+learning-rate schedule), with Megatron-LM's flags for it (``--use-distributed-optimizer``,
+``--overlap-grad-reduce``, ``--clip-grad``, ``--lr-decay-style``, ...).
 
 ``--routing-replay-mode r2`` replays the routes of the trainer's own
 old-log-prob pass instead of the engine's; without ``--moe-enable-routing-replay``
@@ -27,8 +30,9 @@ to ``--metrics-file``. Flags follow Megatron's names; every model and layout
 flag has a small default (all parallel sizes 1, so ``--nproc-per-node 2`` is
 data-parallel size 2). Layers come from ``megatron_r3.layer_specs`` (no
 TransformerEngine needed). ``--save``/``--save-interval`` write checkpoints
-(``megatron_r3.checkpointing``: weights, optimizer, the engine's lagging weights,
-data position, RNG) and ``--load`` resumes from the latest one, under any layout.
+(``megatron_r3.checkpointing``: weights, optimizer, learning-rate schedule, the engine's
+lagging weights, data position, RNG) and ``--load`` resumes from the latest one, under
+any layout.
 
 Bad input stops the run before its first iteration, with one line naming the
 flags, files or records (``megatron_r3.run_checks``): the flags' arithmetic, an
@@ -92,6 +96,7 @@ from megatron_r3.run_checks import (
 )
 from megatron_r3.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.train_metrics import MetricsFile, iteration_metrics, progress_line
+from megatron_r3.training_stack import add_training_stack_args, build_training_stack, training_stack_problems
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -116,7 +121,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     model.add_argument("--bf16", action="store_true",
-                       help="train in bf16 parameters and activations (default fp32; the rollout engine is bf16)")
+                       help="train in bf16 parameters and activations, with fp32 main weights in the optimizer "
+                            "(default fp32; the rollout engine is bf16)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -145,8 +151,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                           help="length of a packed microbatch row (default in the embedded run: room for "
                                "--micro-batch-size of the task's longest samples; required with --rollout-dump)")
     training.add_argument("--train-iters", type=int, default=40)
-    training.add_argument("--lr", type=float, default=1e-4)
-    training.add_argument("--weight-decay", type=float, default=0.0)
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--log-interval", type=int, default=1)
     training.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
@@ -197,6 +201,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
                     help="one more forward-only pass per iteration in the other routing mode, to report the "
                          "mismatch with and without replay (default: on without --rollout-dump)")
+    add_training_stack_args(parser)
     add_routing_replay_args(parser)
     args = parser.parse_args(argv)
     if args.r3_compare is None:
@@ -216,7 +221,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except ValueError as error:
             problems = [str(error)]
         else:
-            problems = relation_problems(args)
+            problems = relation_problems(args) + training_stack_problems(args)
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
@@ -568,9 +573,8 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         spec = RoutingSpec.from_config(config)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config), args.seq_length,
                          args.micro_batch_size, device)
-        optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=args.lr,
-                                      weight_decay=args.weight_decay, betas=(0.9, 0.95))
-        trainer = PolicyTrainer(chunks, config, optimizer, spec, rows, PolicyUpdateSettings(
+        stack = build_training_stack(chunks, config, args)
+        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings(
             replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
             temperature=args.rollout_temperature, filler_routes=args.filler_routes),
             PhaseTimer(device, args.count_host_syncs))
@@ -653,7 +657,7 @@ def _note_metrics_file(path: str) -> None:
 
 def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
     """Every set of model chunks a checkpoint holds: the policy, and the engine's lagging weights."""
-    models = {"model": run.trainer.chunks}
+    models = {"model": run.trainer.stack.chunks}
     if run.engine is not None:
         lag = run.engine.weights
         models["rollout"] = lag.follower
@@ -666,7 +670,8 @@ def save(run: TrainingRun) -> None:
     state = {"consumed_samples": run.consumed_samples, "args": vars(run.args)}
     if run.engine is not None:
         state["rollout_weight_advances"] = run.engine.weights.advances
-    save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), run.trainer.optimizer, state)
+    stack = run.trainer.stack
+    save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), stack.optimizer, state, stack.scheduler)
 
 
 def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callable[[str], None] = print) -> None:
@@ -680,7 +685,9 @@ def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callabl
     directory, iteration = checkpoint
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
-        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), run.trainer.optimizer, iteration)
+        stack = run.trainer.stack
+        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), stack.optimizer, iteration,
+                                               stack.scheduler)
     run.consumed_samples = state["consumed_samples"]
     run.source.resume(run.consumed_samples)
     if run.engine is not None:

@@ -1,4 +1,4 @@
-"""Checkpoints of model chunks, their optimizer and the run's state, through Megatron's dist_checkpointing.
+"""Checkpoints of model chunks, their optimizer, its LR schedule and the run's state, through dist_checkpointing.
 
 Layout on disk, as in Megatron-LM::
 
@@ -14,10 +14,13 @@ tracker on the previous complete checkpoint, which is what
 Weights are saved through each chunk's ``sharded_state_dict()``: tensors are
 keyed by their global name (layer and expert numbers global, TP/EP slices as
 offsets into the full tensor), so a checkpoint saved under one parallel layout
-(TP, SP, PP, VP, CP, EP, DP) loads under any other. The optimizer's per-parameter
-tensors (AdamW's ``exp_avg`` and ``exp_avg_sq``) are saved the same way, keyed
-like the parameter they belong to (``optimizer.state.exp_avg.<parameter key>``),
-so they follow a layout change too.
+(TP, SP, PP, VP, CP, EP, DP) loads under any other. The optimizer (Megatron's,
+:mod:`megatron_r3.training_stack`) saves itself through its own
+``sharded_state_dict()``: Adam's moments (and the distributed optimizer's fp32 main
+weights) keyed like the parameter they belong to
+(``optimizer.state.exp_avg.<parameter key>``), the distributed optimizer's shards
+gathered into that form (Megatron-LM's ``fully_reshardable`` format), so they follow
+a layout change too.
 """
 
 from __future__ import annotations
@@ -33,21 +36,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    make_sharded_optimizer_tensor,
-)
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_or_nonpersistent
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_r3.training_stack import load_scheduler_state, scheduler_mismatch
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STAGING_SUFFIX = ".saving"
 _FORMAT_KEY = "megatron_r3_checkpoint_format"
 # Top-level keys of the checkpoint's state dict besides the models'.
 _RESERVED_KEYS = frozenset({_FORMAT_KEY, "iteration", "parallel_layout", "rng_device", "state", "rng_state",
-                            "optimizer"})
+                            "optimizer", "optimizer_step", "optimizer_tensors", "opt_param_scheduler"})
+# How Megatron's optimizers shape their sharded state (Megatron-LM's metadata for torch_dist): the
+# distributed optimizer's in the fully reshardable, per-parameter form; no "chained_<i>." prefixes.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                       "singleton_local_shards": False}
 
 
 class RNGStateNotRestoredWarning(UserWarning):
@@ -146,8 +154,9 @@ def save_checkpoint(
     directory: str,
     iteration: int,
     models: Mapping[str, Sequence[torch.nn.Module]],
-    optimizer: Optional[torch.optim.Optimizer],
+    optimizer: Optional[MegatronOptimizer],
     state: Any,
+    scheduler: Optional[OptimizerParamScheduler] = None,
 ) -> str:
     """Save a checkpoint of ``iteration``; call it on every rank.
 
@@ -156,24 +165,20 @@ def save_checkpoint(
         iteration: The iteration number (``>= 0``); a checkpoint of the same
             iteration already in ``directory`` is replaced.
         models: Model chunks by name, e.g. ``{"model": chunks}`` or ``{"model": chunks,
-            "rollout0": lagging_copy}``: each rank's chunks, one per virtual pipeline
-            stage. The tensors of ``"model"`` are keyed like Megatron-LM's; those of
-            any other name are prefixed with ``"<name>."``.
-        optimizer: The optimizer over the parameters of ``models`` (or ``None``).
-            Its per-parameter state must be tensors shaped like the parameter plus
-            ``step``, with one step for all parameters (AdamW when every parameter
-            gets a gradient at every step, as ``megatron_r3.grads.reduce_grads``
-            ensures).
+            "rollout0": lagging_copy}``: each rank's chunks (unwrapped, not their DDP
+            wrappers), one per virtual pipeline stage. The tensors of ``"model"`` are keyed
+            like Megatron-LM's; those of any other name are prefixed with ``"<name>."``.
+        optimizer: Megatron's optimizer over the parameters of ``models["model"]`` (or ``None``).
         state: Any picklable object, e.g. ``{"consumed_samples": ..., "args": args}``;
             rank 0's is saved. Each rank's RNG states (Python, NumPy, torch CPU,
             CUDA if available, Megatron's RNG tracker) are saved besides it.
+        scheduler: The optimizer's learning-rate schedule (or ``None``).
 
     Returns:
         The directory of the checkpoint.
 
     Raises:
-        ValueError: a bad iteration or model name, or optimizer state that cannot
-            be saved (named).
+        ValueError: a bad iteration or model name.
     """
     if not isinstance(iteration, int) or iteration < 0:
         raise ValueError(f"iteration must be an int >= 0, not {iteration!r}")
@@ -188,7 +193,11 @@ def save_checkpoint(
         **model_state,
     }
     if optimizer is not None:
-        sharded["optimizer"] = _optimizer_state_to_save(optimizer, model_state)
+        sharded["optimizer"] = optimizer.sharded_state_dict(_policy_state(models, model_state),
+                                                            metadata=_OPTIMIZER_METADATA)
+        sharded["optimizer_step"] = _adam_step(optimizer)
+    if scheduler is not None:
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
 
     final = iteration_dir(directory, iteration)
     staging = final + _STAGING_SUFFIX
@@ -210,10 +219,11 @@ def save_checkpoint(
 def load_checkpoint(
     directory: str,
     models: Mapping[str, Sequence[torch.nn.Module]],
-    optimizer: Optional[torch.optim.Optimizer],
+    optimizer: Optional[MegatronOptimizer],
     iteration: Optional[int] = None,
+    scheduler: Optional[OptimizerParamScheduler] = None,
 ) -> tuple[int, Any]:
-    """Load a checkpoint into ``models`` and ``optimizer``; call it on every rank.
+    """Load a checkpoint into ``models``, ``optimizer`` and ``scheduler``; call it on every rank.
 
     The parallel layout may differ from the one the checkpoint was saved under:
     weights and optimizer state are resharded. Each rank's RNG states are
@@ -226,9 +236,11 @@ def load_checkpoint(
         models: Model chunks by name, as given to :func:`save_checkpoint`; every
             tensor must be in the checkpoint with the same full shape. The
             checkpoint may hold more (e.g. copies not asked for).
-        optimizer: Gets the saved per-parameter state, step and parameter-group
-            hyper-parameters (or ``None``: the optimizer state is not loaded).
+        optimizer: Gets the saved optimizer state (or ``None``: not loaded).
         iteration: The iteration to load; by default the last complete one.
+        scheduler: Gets the saved schedule's step count; the schedule itself must be the
+            checkpoint's unless the scheduler was built to override it or to take it
+            (``--override-opt-param-scheduler``, ``--use-checkpoint-opt-param-scheduler``).
 
     Returns:
         ``(iteration, state)``: the loaded iteration and the ``state`` given to
@@ -237,8 +249,7 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no complete checkpoint in ``directory``, or none of ``iteration``.
         ValueError: the checkpoint does not fit: a tensor it lacks or holds with
-            another shape (named), no optimizer state, another number of
-            parameter groups.
+            another shape (named), no optimizer state or schedule, another schedule.
     """
     if iteration is None:
         iteration = latest_iteration(directory)
@@ -253,13 +264,27 @@ def load_checkpoint(
     if common.get(_FORMAT_KEY) != FORMAT_VERSION:
         raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {FORMAT_VERSION} "
                          f"({_FORMAT_KEY} is {common.get(_FORMAT_KEY)!r})")
+    for name, wanted in (("optimizer", optimizer), ("opt_param_scheduler", scheduler)):
+        if wanted is not None and name not in common:
+            raise ValueError(f"{path} holds no {name} state (it was saved without one)")
+    if scheduler is not None:
+        mismatch = scheduler_mismatch(scheduler, common["opt_param_scheduler"])
+        if mismatch is not None:
+            raise ValueError(f"{path} does not fit: {mismatch}")
 
     model_state = _models_sharded_state_dict(models)
     sharded = {"state": _common_object(None), **model_state}
     if optimizer is not None:
-        if "optimizer" not in common:
-            raise ValueError(f"{path} holds no optimizer state (it was saved with optimizer=None)")
-        sharded["optimizer"] = _optimizer_state_to_load(optimizer, model_state, common["optimizer"])
+        # Megatron's optimizers keep their parameter groups and Adam's step per member of the
+        # ChainedOptimizer, a split that follows the layout (experts get an optimizer of their own
+        # only under EP > 1 or expert-TP != TP), so that part of "optimizer" loads only under a
+        # layout that splits the same way. The per-parameter tensors are keyed by parameter: this
+        # optimizer loads those into its own structure, keeps its parameter groups (the flags';
+        # the scheduler sets the rate) and takes the checkpoint's step.
+        _prepare_for_load(optimizer, common["optimizer_step"])
+        request = optimizer.sharded_state_dict(_policy_state(models, model_state), is_loading=True,
+                                               metadata=_OPTIMIZER_METADATA)
+        sharded["optimizer_tensors"], optimizer_structure = extract_sharded_tensors_or_nonpersistent(request)
     same_ranks = common["parallel_layout"] == _parallel_layout() and common["rng_device"] == _rng_device()
     if same_ranks:
         sharded["rng_state"] = _rank_object("rng_state", None)
@@ -269,7 +294,9 @@ def load_checkpoint(
     for key, (prefix, chunk) in _chunks_by_key(models).items():
         chunk.load_state_dict({name[len(prefix):]: value for name, value in loaded[key].items()})
     if optimizer is not None:
-        _load_optimizer_state(optimizer, loaded["optimizer"], common["optimizer"])
+        optimizer.load_state_dict(merge(optimizer_structure, loaded["optimizer_tensors"]))
+    if scheduler is not None:
+        load_scheduler_state(scheduler, loaded["opt_param_scheduler"])
     if same_ranks:
         _set_rng_states(loaded["rng_state"])
     else:
@@ -330,6 +357,46 @@ def _models_sharded_state_dict(models: Mapping[str, Sequence[torch.nn.Module]]) 
     return {key: chunk.sharded_state_dict(prefix=prefix) for key, (prefix, chunk) in _chunks_by_key(models).items()}
 
 
+def _policy_state(models: Mapping[str, Sequence[torch.nn.Module]], model_state: dict) -> dict:
+    """The sharded state of ``models["model"]``, the chunks the optimizer trains."""
+    return {key: model_state[key] for key, (prefix, _) in _chunks_by_key(models).items() if not prefix}
+
+
+def _adam_step(optimizer: MegatronOptimizer) -> int:
+    """The steps Adam has taken (the same for every parameter: every one gets a gradient each step)."""
+    steps = set()
+    for inner in _inner_optimizers(optimizer):
+        if isinstance(inner, torch.optim.Adam):  # torch.optim keeps the count per parameter
+            steps |= {int(state["step"]) for state in inner.state.values() if "step" in state}
+        else:  # TransformerEngine's and Apex's FusedAdam per group
+            steps |= {int(group["step"]) for group in inner.param_groups if "step" in group}
+    if len(steps) > 1:
+        raise ValueError(f"cannot save the optimizer: its parameters are at different steps {sorted(steps)}")
+    return steps.pop() if steps else 0
+
+
+def _prepare_for_load(optimizer: MegatronOptimizer, step: int) -> None:
+    """Allocates the optimizer's state as Megatron does before a load, with Adam at ``step``: the
+    load request then carries the step where each of Megatron's optimizers keeps it."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    for member in members:
+        if member.optimizer is not None:
+            member.init_state_fn(member.optimizer, member.config)
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if not isinstance(inner, torch.optim.Adam):
+                group["step"] = step
+                continue
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(float(step))
+
+
+def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside Megatron's (one per member of its ChainedOptimizer that has parameters)."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [member.optimizer for member in members if member.optimizer is not None]
+
+
 def _parallel_layout() -> dict[str, int]:
     return {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
@@ -388,100 +455,6 @@ def _set_rng_states(states: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """The optimizer's parameters in its state-dict order."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _sharded_params(optimizer: torch.optim.Optimizer, model_state: dict) -> dict[int, ShardedTensor]:
-    """The model tensor of every optimizer parameter, by the parameter's index."""
-    params = _optimizer_params(optimizer)
-    by_index = get_param_id_to_sharded_param_map(model_state, params)
-    missing = [i for i in range(len(params)) if i not in by_index]
-    if missing:
-        shapes = [tuple(params[i].shape) for i in missing[:3]]
-        raise ValueError(f"the optimizer updates {len(missing)} parameters that no model chunk given in `models` "
-                         f"holds (shapes {shapes}...): pass the chunks it trains")
-    return by_index
-
-
-def _optimizer_state_to_save(optimizer: torch.optim.Optimizer, model_state: dict) -> dict:
-    """Per-parameter tensors as sharded tensors keyed like their parameter; step and hyper-parameters as is."""
-    params = _optimizer_params(optimizer)
-    by_index = _sharded_params(optimizer, model_state)
-    per_param = [optimizer.state.get(p, {}) for p in params]
-    tensor_keys = sorted({key for param_state in per_param for key in param_state if key != "step"})
-    steps = sorted({float(param_state.get("step", 0)) for param_state in per_param})
-    step = steps[-1] if steps else 0.0
-    problem = _unsavable_state(params, per_param, tensor_keys, steps, by_index)
-    _raise_on_any_rank(problem, (tensor_keys, step), "cannot save the optimizer: ")
-    state = {}
-    if tensor_keys:
-        for i, param_state in enumerate(per_param):
-            state[i] = {key: make_sharded_optimizer_tensor(by_index[i], param_state[key],
-                                                           prefix=f"optimizer.state.{key}")
-                        for key in tensor_keys}
-    return {
-        "state": state,
-        "tensor_keys": tensor_keys,
-        "step": step,
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
-    }
-
-
-def _unsavable_state(params, per_param, tensor_keys, steps, by_index) -> Optional[str]:
-    """What keeps this rank's optimizer state from being saved as one step plus per-parameter tensors."""
-    if len(steps) > 1:
-        return f"its parameters are at different steps {steps[:4]} (a parameter without gradient skips a step)"
-    for i, (param, param_state) in enumerate(zip(params, per_param)):
-        for key in tensor_keys:
-            if key not in param_state:
-                return f"{by_index[i].key} has no optimizer state {key!r}"
-            if not (torch.is_tensor(param_state[key]) and param_state[key].shape == param.shape):
-                return f"optimizer state {key!r} of {by_index[i].key} is not a tensor shaped like the parameter"
-    return None
-
-
-def _raise_on_any_rank(problem: Optional[str], summary: Any, prefix: str) -> None:
-    """Raise on every rank if one rank has a problem or the ranks' summaries differ (rank 0's is saved)."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (problem, summary))
-    for rank, (rank_problem, rank_summary) in enumerate(gathered):
-        if rank_problem is not None:
-            raise ValueError(f"{prefix}rank {rank}: {rank_problem}")
-        if rank_summary != gathered[0][1]:
-            raise ValueError(f"{prefix}rank {rank} has (state keys, step) {rank_summary}, rank 0 {gathered[0][1]}")
-
-
-def _optimizer_state_to_load(optimizer: torch.optim.Optimizer, model_state: dict, saved: dict) -> dict:
-    """Sharded tensors to load the saved per-parameter state into (fresh buffers)."""
-    params = _optimizer_params(optimizer)
-    by_index = _sharded_params(optimizer, model_state)
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one "
-                         f"{len(optimizer.param_groups)}")
-    state = {}
-    for i, param in enumerate(params):
-        if saved["tensor_keys"]:
-            state[i] = {key: make_sharded_optimizer_tensor(by_index[i], torch.empty_like(param.detach()),
-                                                           prefix=f"optimizer.state.{key}")
-                        for key in saved["tensor_keys"]}
-    return {"state": state}
-
-
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict, saved: dict) -> None:
-    groups, first = [], 0
-    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
-        groups.append({**saved_group, "params": list(range(first, first + len(group["params"])))})
-        first += len(group["params"])
-    state = {}
-    if saved["tensor_keys"]:
-        for i in range(first):
-            state[i] = {key: loaded["state"][i][key] for key in saved["tensor_keys"]}
-            state[i]["step"] = torch.tensor(saved["step"], dtype=torch.float32)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 def _check_tensors_fit(path: str, sharded: dict) -> None:
     """Every tensor to load is in the checkpoint with the same full shape; raises on every rank otherwise."""
     saved = dist_checkpointing.load_tensors_metadata(path)
@@ -491,6 +464,9 @@ def _check_tensors_fit(path: str, sharded: dict) -> None:
             continue
         if tensor.key not in saved:
             problem = f"the checkpoint has no tensor {tensor.key}"
+            if tensor.key.startswith("optimizer."):
+                problem += (" (the optimizer that saved it kept other state: distributed or not, fp32 or bf16 "
+                            "parameters)")
             break
         if tuple(saved[tensor.key].global_shape) != tuple(tensor.global_shape):
             problem = (f"tensor {tensor.key} has shape {tuple(saved[tensor.key].global_shape)} in the checkpoint, "

@@ -15,12 +15,15 @@ microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.model_pass
    recorded ones (R2) or live routing. ``logp_old`` is the rollout engine's
    log-prob under R3 and live routing.
 
-Then gradients are summed across ranks, divided by the iteration's completion
-tokens, and the optimizer steps, unless the loss or the gradients are not finite
-(like Megatron's ``--check-for-nan-in-loss-and-grad``): then every rank raises
-:class:`NonFiniteStepError` before the optimizer sees them. Samples are checked
-where they enter :meth:`PolicyTrainer.step` (log-probs finite and ``<= 0``,
-advantages finite). Every metric leaves as a sum (reduced across all ranks in
+The model chunks train through Megatron's stack (:mod:`megatron_r3.training_stack`):
+the schedule ends the update pass with ``finalize_model_grads``, which reduces the
+gradients over the ranks and divides them by the iteration's completion tokens;
+then Megatron's optimizer steps and the learning-rate schedule advances, unless the
+loss or the gradient norm is not finite: then every rank raises
+:class:`NonFiniteStepError`, with the weights and the optimizer state as they were
+before the step (the optimizer skips an update whose gradient norm is not finite).
+Samples are checked where they enter :meth:`PolicyTrainer.step` (log-probs finite
+and ``<= 0``, advantages finite). Every metric leaves as a sum (reduced across all ranks in
 one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
 :mod:`megatron_r3.train_metrics`.
 """
@@ -35,11 +38,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from megatron_r3.adapters import RoutingSpec
 from megatron_r3.expert_counts import ExpertCountExchange
 from megatron_r3.filler_routes import first_dead_position
-from megatron_r3.grads import reduce_grads
 from megatron_r3.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.model_pass import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.phase_timer import PhaseTimer
@@ -50,6 +53,7 @@ from megatron_r3.rollout_dump import RolloutSample
 from megatron_r3.routing_agreement import routing_agreement_counts
 from megatron_r3.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.train_metrics import zero_sums
+from megatron_r3.training_stack import TrainingStack
 from megatron_r3.transport import PackedRoutes
 
 REPLAY_MODES = ("r3", "r2")
@@ -94,21 +98,21 @@ class PolicyTrainer:
     """Takes optimizer steps on the clipped policy-gradient loss over rollout samples.
 
     Args:
-        chunks: This rank's model chunks (with ``moe_enable_routing_replay`` when any pass replays).
-        config: Their ``TransformerConfig``.
-        optimizer: Over the chunks' parameters.
+        stack: This rank's model chunks in DDP (with ``moe_enable_routing_replay`` when any pass
+            replays), their optimizer and learning-rate schedule.
+        config: The chunks' ``TransformerConfig`` (its ``finalize_model_grads_func`` set by the stack).
         spec: The model's MoE layers, experts and top-k.
         rows: How this rank packs rows (the same as the rollout engine's).
         settings: Routing mode, comparison pass, clip ratio, temperature.
     """
 
-    def __init__(self, chunks, config, optimizer, spec: RoutingSpec, rows: RowLayout,
+    def __init__(self, stack: TrainingStack, config, spec: RoutingSpec, rows: RowLayout,
                  settings: PolicyUpdateSettings, timer: Optional[PhaseTimer] = None):
         if (settings.trains_with_replay or settings.compare) and not config.moe_enable_routing_replay:
             raise ValueError("routing replay and --r3-compare need a model built with moe_enable_routing_replay")
-        self.chunks = list(chunks)
+        self.stack = stack
+        self.chunks = list(stack.model)
         self.config = config
-        self.optimizer = optimizer
         self.spec = spec
         self.rows = rows
         self.settings = settings
@@ -131,7 +135,8 @@ class PolicyTrainer:
             rewards: One per sample, for the reward metric (None: not known).
 
         Returns:
-            The iteration's sums over all ranks (:func:`megatron_r3.train_metrics.zero_sums`).
+            The iteration's sums over all ranks (:func:`megatron_r3.train_metrics.zero_sums`), and the
+            step's ``lr`` and ``grad_norm``.
 
         Raises:
             SampleValueError: a sample without rollout log-probs, or with values the loss cannot take.
@@ -168,9 +173,10 @@ class PolicyTrainer:
             if has_routes:
                 self._add_agreement(sums, result)
 
-        self.optimizer.zero_grad(set_to_none=True)
+        self.stack.zero_grad()
         microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
                                              recorded=recorded, fillers=settings.filler_routes)
+        # The schedule ends with finalize_model_grads: gradients reduced and divided by the tokens.
         with self.timer.phase("pass/update"):
             result = run_pass(self.chunks, microbatches, PolicyLoss(old_logprobs, settings), forward_only=False)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
@@ -185,14 +191,26 @@ class PolicyTrainer:
 
         with self.timer.phase("optimizer"):
             totals = _all_reduce(sums)
-            trained_tokens = max(float(totals["loss"][1]), 1.0)
-            reduce_grads(self.chunks, self.config)
-            grads = [param.grad for chunk in self.chunks for param in chunk.parameters()]
-            for grad in grads:
-                grad.div_(trained_tokens)
-            _check_finite(float(totals["loss"][0]) / trained_tokens, grads, self.rows.device)
-            self.optimizer.step()
-        return {name: value.cpu().numpy() for name, value in totals.items()}
+            lr, grad_norm = self._optimizer_step(float(totals["loss"][0]) / max(float(totals["loss"][1]), 1.0))
+        out = {name: value.cpu().numpy() for name, value in totals.items()}
+        out["lr"], out["grad_norm"] = np.array([lr]), np.array([grad_norm])
+        return out
+
+    def _optimizer_step(self, loss: float) -> tuple[float, float]:
+        """Megatron's optimizer step and one scheduler step; on every rank, nothing is applied when
+        the (all-reduced) loss or the gradient norm is not finite. Returns the step's learning rate
+        and gradient norm."""
+        if not math.isfinite(loss):
+            raise NonFiniteStepError(f"the loss is {loss}: not finite, so the optimizer did not step and nothing "
+                                     f"was saved (a weight or an activation overflowed?)")
+        lr = get_canonical_lr_for_logging(self.stack.optimizer.param_groups)
+        stepped, grad_norm, _ = self.stack.optimizer.step()
+        if not stepped:  # a norm that is not finite: the optimizer skipped the update
+            raise NonFiniteStepError(f"the loss is {loss} and the gradient norm over all ranks is {grad_norm}: not "
+                                     f"finite, so the optimizer did not step and nothing was saved (a weight or an "
+                                     f"activation overflowed?)")
+        self.stack.scheduler.step(increment=1)
+        return lr, float(grad_norm)
 
     def _old_logprob_pass(self, samples: Sequence[RolloutSample]):
         """R2: record the routes and log-probs of the current weights; the update replays them."""
@@ -268,20 +286,6 @@ class PolicyLoss:
         mismatch = logprob_mismatch_sums(logprobs.detach(), batch.rollout_logprobs, mask)
         tokens = mask.sum()
         return loss, tokens.to(torch.int), {"loss": torch.stack([loss.detach(), tokens]).double(), "mismatch": mismatch}
-
-
-def _check_finite(loss: float, grads: Sequence[torch.Tensor], device: torch.device) -> None:
-    """Raises on every rank when the (already all-reduced) loss or any rank's gradients are not finite."""
-    # Sum of the ranks' squared norms: replicas count more than once, so it is no norm, but it is
-    # finite exactly when every gradient of every rank is.
-    squares = torch.nn.utils.get_total_norm(grads).double().square().reshape(1).to(device)
-    dist.all_reduce(squares)
-    squares = float(squares[0])
-    if not (math.isfinite(loss) and math.isfinite(squares)):
-        raise NonFiniteStepError(
-            f"the loss is {loss} and the gradients' sum of squares over all ranks is {squares}: not finite, so "
-            f"the optimizer did not step and nothing was saved (a weight or an activation overflowed?)"
-        )
 
 
 def _all_reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ keys (``None`` where the iteration did not measure a value):
   ``eta_s`` for the remaining iterations at the average pace so far;
 * ``loss``: the clipped policy-gradient loss, averaged over completion tokens;
 * ``reward/mean``: mean reward of the iteration's samples;
+* ``lr``, ``grad_norm``: the learning rate of the iteration's optimizer step and the
+  global gradient norm before clipping (what the trainer's step reports, not sums);
 * ``mismatch/{replay,live}/...``: the trainer's log-probs with replay / with live
   routing against the rollout engine's, over completion tokens, ``d = logp_rollout -
   logp_train``: ``logp_abs_diff`` (mean ``|d|``), ``logp_sq_diff`` (mean ``d**2``),
@@ -63,7 +65,8 @@ def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tens
 
 def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
     """The keys of :func:`iteration_metrics`, in order."""
-    return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean"]
+    return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean",
+             "lr", "grad_norm"]
             + [f"mismatch/{mode}/{name}" for mode in MODES for name in MISMATCH_METRICS]
             + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in moe_layer_numbers]
             + ["routing/replayed_tokens", "routing/filler_tokens", "routing/live_tokens",
@@ -83,7 +86,8 @@ def iteration_metrics(
     seconds: Optional[dict] = None,
     host_syncs: Optional[dict] = None,
 ) -> dict:
-    """The flat metrics of one iteration from its reduced sums (see the module docstring).
+    """The flat metrics of one iteration from its reduced sums, and the step's ``lr`` and ``grad_norm``
+    where ``sums`` has them (see the module docstring).
 
     ``seconds`` and ``host_syncs`` are this rank's per phase (:data:`PHASES`); a phase that
     did not run, or syncs that were not counted, are None.
@@ -100,6 +104,8 @@ def iteration_metrics(
         "eta_s": eta_s,
         "loss": loss_sum / loss_tokens if loss_tokens else None,
         "reward/mean": reward_sum / reward_count if reward_count else None,
+        "lr": float(sums["lr"][0]) if "lr" in sums else None,
+        "grad_norm": float(sums["grad_norm"][0]) if "grad_norm" in sums else None,
     }
     for mode in MODES:
         totals = sums[f"mismatch/{mode}"]
@@ -129,6 +135,8 @@ def progress_line(metrics: dict, train_iters: int, timers: bool = False) -> str:
              f"consumed samples: {metrics['consumed_samples']:10d}",
              f"loss: {_number(metrics['loss'], '.6E')}",
              f"reward: {_number(metrics['reward/mean'], '.4f')}"]
+    if metrics["lr"] is not None:
+        parts += [f"lr: {metrics['lr']:.3E}", f"grad norm: {_number(metrics['grad_norm'], '.3f')}"]
     for mode in MODES:
         k3 = metrics[f"mismatch/{mode}/k3_kl"]
         if k3 is not None:

@@ -71,6 +71,15 @@ FLAG_CASES = [
     (["--allow-truncated-rollout-dump"], "--allow-truncated-rollout-dump needs --rollout-dump"),
     (["--metrics-file", "m.jsonl", "--append-metrics-file", "--overwrite-metrics-file"],
      "argument --overwrite-metrics-file: not allowed with argument --append-metrics-file"),
+    (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0.0, got -1.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be a finite number >= 0.0 and < 1.0, got 1.0"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0, got 0.0"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1, got 0"),
+    (["--min-lr", "1e-3"], "--min-lr 0.001 is larger than --lr 0.0001"),
+    (["--lr-warmup-iters", "40"], "--lr-warmup-iters 40 must be smaller than --lr-decay-iters 40 (default: "
+                                  "--train-iters)"),
+    (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"],
+     "argument --use-checkpoint-opt-param-scheduler: not allowed with argument --override-opt-param-scheduler"),
 ]
 
 
@@ -134,9 +143,9 @@ def _poison_final_norm(setup, seen):
     def poisoned(args, device, log=print):
         run = setup(args, device, log)
         with torch.no_grad():
-            run.trainer.chunks[-1].decoder.final_layernorm.weight[0] = float("nan")
+            run.trainer.stack.chunks[-1].decoder.final_layernorm.weight[0] = float("nan")
         seen["run"] = run
-        seen["weights"] = [p.detach().clone() for c in run.trainer.chunks for p in c.parameters()]
+        seen["weights"] = [p.detach().clone() for c in run.trainer.stack.chunks for p in c.parameters()]
         return run
     return poisoned
 
@@ -145,8 +154,8 @@ def _finish_hook(seen):
     if "run" not in seen:
         return {}
     run = seen["run"]
-    after = [p.detach() for c in run.trainer.chunks for p in c.parameters()]
-    return {"optimizer_state": len(run.trainer.optimizer.state),
+    after = [p.detach() for c in run.trainer.stack.chunks for p in c.parameters()]
+    return {"optimizer_state": len(run.trainer.stack.optimizer.state),
             "weights_unchanged": all(torch.equal(a.nan_to_num(), b.nan_to_num())
                                      for a, b in zip(seen["weights"], after))}
 
@@ -315,8 +324,8 @@ def test_a_nan_inside_the_model_stops_the_step_before_the_optimizer_and_any_chec
     (trainer, engine), = run_cases(tmp_path, 1, [(argv, str(work), "poison"), (embedded, str(work), "poison")])
     assert trainer["code"] == 1
     assert error_line(trainer) == (
-        "pretrain_gpt_r3.py: error: iteration 1: the loss is nan and the gradients' sum of squares over all ranks is "
-        "nan: not finite, so the optimizer did not step and nothing was saved (a weight or an activation overflowed?)")
+        "pretrain_gpt_r3.py: error: iteration 1: the loss is nan: not finite, so the optimizer did not step and "
+        "nothing was saved (a weight or an activation overflowed?)")
     assert trainer["seen"] == {"optimizer_state": 0, "weights_unchanged": True}
     assert engine["code"] == 1 and error_line(engine).startswith(
         "pretrain_gpt_r3.py: error: rollout engine, iteration 1, step 0: the logits of sample 0 are not finite")
@@ -381,7 +390,7 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
 def _trainer_guards(argv):
     """PolicyTrainer.step's own checks: samples that enter it, and gradients that are not finite."""
     from launch import pretrain_gpt_r3 as launcher
-    from megatron_r3.policy_trainer import NonFiniteStepError, _check_finite
+    from megatron_r3.policy_trainer import NonFiniteStepError
     from megatron_r3.sample_checks import SampleValueError
 
     args = launcher.parse_args(argv)
@@ -398,11 +407,22 @@ def _trainer_guards(argv):
                 run.trainer.step(samples, advantages)
             except SampleValueError as error:
                 messages.append(str(error))
-        try:  # a finite loss with a gradient that is not
-            _check_finite(0.25, [torch.ones(3), torch.tensor([1.0, np.inf])], device)
+        # A finite loss with a gradient that is not: an Inf in one reduced gradient, after finalize_model_grads.
+        config, finalize = run.trainer.config, run.trainer.config.finalize_model_grads_func
+
+        def finalize_then_overflow(*finalize_args, **kwargs):
+            finalize(*finalize_args, **kwargs)
+            next(run.trainer.stack.chunks[0].parameters()).main_grad[0] = np.inf
+
+        config.finalize_model_grads_func = finalize_then_overflow
+        weights = [p.detach().clone() for c in run.trainer.stack.chunks for p in c.parameters()]
+        try:
+            run.trainer.step(batch.samples[1:] * 2, [0.5, -0.5])
         except NonFiniteStepError as error:
             messages.append(str(error))
-        return {"messages": messages, "optimizer_state": len(run.trainer.optimizer.state)}
+        return {"messages": messages, "optimizer_state": len(run.trainer.stack.optimizer.state),
+                "weights_unchanged": all(torch.equal(a, p) for a, p in
+                                         zip(weights, (p for c in run.trainer.stack.chunks for p in c.parameters())))}
     finally:
         run.source.close()
         from megatron.core import parallel_state
@@ -413,15 +433,14 @@ def _trainer_guards(argv):
 def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
     dump = write_dump(tmp_path / "rollouts.r3dump")
     (result,) = run_workers(_trainer_guards, 1, DUMP_FLAGS + ["--rollout-dump", dump], backend="gloo")
-    logprob, *others = result["messages"]
+    logprob, advantage, gradient = result["messages"]
     assert re.fullmatch(r"sample 0: token 3: logprobs\[3\] = nan: a rollout log-prob must be finite and <= 0 "
                         r"\(1 of \d+ entries are not\)", logprob), logprob
-    assert others == [
-        "sample 1: advantage inf is not finite",
-        "the loss is 0.25 and the gradients' sum of squares over all ranks is inf: not finite, so the optimizer did "
-        "not step and nothing was saved (a weight or an activation overflowed?)",
-    ]
-    assert result["optimizer_state"] == 0
+    assert advantage == "sample 1: advantage inf is not finite"
+    assert re.fullmatch(r"the loss is -?\d\.\d+(e-?\d+)? and the gradient norm over all ranks is inf: not finite, so "
+                        r"the optimizer did not step and nothing was saved \(a weight or an activation overflowed\?\)",
+                        gradient), gradient
+    assert result["optimizer_state"] == 0 and result["weights_unchanged"]
 
 
 # The checks themselves, without ranks.

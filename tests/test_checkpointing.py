@@ -1,11 +1,13 @@
 """megatron_r3.checkpointing: resume, checkpoints across parallel layouts, interrupted saves, errors.
 
-Workers train the tiny MoE GPT with AdamW the way the launcher does (Megatron's
-schedule, ``reduce_grads``, gradients divided by the batch's token count). They
-run on gloo here, where training is deterministic and a resumed run must be
+Workers train the tiny MoE GPT through the launcher's stack (``megatron_r3.training_stack``:
+Megatron's DDP and schedule, ``finalize_model_grads`` dividing by the batch's token count,
+Megatron's Adam with the distributed optimizer unless a test says otherwise, the LR
+schedule). They run on gloo here, where training is deterministic and a resumed run must be
 bit-identical; NCCL workers (a GPU node) compare within float tolerance.
 """
 
+import argparse
 import os
 import random
 import warnings
@@ -23,7 +25,7 @@ from megatron_r3.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_r3.grads import reduce_grads
+from megatron_r3.training_stack import add_training_stack_args, build_training_stack
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.harness import full_token_losses
 from tests.support.launcher import default_backend, run_workers, worker_device
@@ -35,10 +37,18 @@ from tests.support.weights import assemble, param_values
 MODEL = TinyMoE()
 SEQ_LEN, NUM_SEQS, MICRO_BATCH = 16, 4, 2
 EP2 = Layout(ep=2, dp=2)
+DISTRIBUTED = ("--use-distributed-optimizer",)
 
 
-def _setup(layout: Layout, model: TinyMoE = MODEL):
-    """Parallel state, Megatron's seeded RNG (CPU generators on CPU), model chunks and AdamW."""
+def _stack_args(flags=DISTRIBUTED):
+    """The launcher's optimizer flags: its defaults (Adam, --clip-grad 1), plus ``flags``."""
+    parser = argparse.ArgumentParser()
+    add_training_stack_args(parser)
+    return parser.parse_args(["--lr", "1e-2", "--weight-decay", "0.01", "--lr-decay-iters", "100", *flags])
+
+
+def _setup(layout: Layout, model: TinyMoE = MODEL, flags=DISTRIBUTED):
+    """Parallel state, Megatron's seeded RNG (CPU generators on CPU), and the model chunks in the training stack."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -49,21 +59,17 @@ def _setup(layout: Layout, model: TinyMoE = MODEL):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     device = worker_device()
     config = make_config(layout, model)
-    chunks = build_gpt(config, model, seed=0, device=device)
-    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, betas=(0.9, 0.95),
-                                  weight_decay=0.01)
-    return device, config, chunks, optimizer
+    stack = build_training_stack(build_gpt(config, model, seed=0, device=device), config, _stack_args(flags))
+    return device, config, stack
 
 
-def _train_step(layout, config, chunks, optimizer, data, device):
-    """One AdamW step on ``data``; returns this rank's per-token losses before the update."""
-    optimizer.zero_grad(set_to_none=True)
-    results = forward_backward(chunks, layout_microbatches(layout, data, MICRO_BATCH, device))
-    reduce_grads(chunks, config)
-    for chunk in chunks:
-        for param in chunk.parameters():
-            param.grad.div_(data.num_tokens)
-    optimizer.step()
+def _train_step(layout, stack, data, device):
+    """One optimizer and scheduler step on ``data``; returns this rank's per-token losses before the update."""
+    stack.zero_grad()
+    results = forward_backward(stack.model, layout_microbatches(layout, data, MICRO_BATCH, device))
+    stepped, _, _ = stack.optimizer.step()
+    assert stepped
+    stack.scheduler.step(increment=1)
     if not results:
         return torch.empty(0, dtype=torch.long), torch.empty(0)
     index = torch.cat([r["token_index"].reshape(-1) for r in results]).cpu()
@@ -106,38 +112,42 @@ def _save_and_die(*args, **kwargs):
 def resume_worker(layout, directory, steps, save_at=None, crash_at=None, resume=False):
     """Trains to ``steps`` on random batches (from a checkpoint with ``resume``), saving at
     ``save_at`` and dying during the save at ``crash_at``."""
-    device, config, chunks, optimizer = _setup(layout)
+    device, config, stack = _setup(layout)
+    models = {"model": stack.chunks}
     out = {"losses": {}}
     try:
         start = 0
         if resume:
             try:
-                load_checkpoint(directory, {"model": chunks}, optimizer, iteration=steps)
+                load_checkpoint(directory, models, stack.optimizer, iteration=steps, scheduler=stack.scheduler)
             except FileNotFoundError as error:
                 out["interrupted_iteration"] = str(error)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                start, out["state"] = load_checkpoint(directory, {"model": chunks}, optimizer)
+                start, out["state"] = load_checkpoint(directory, models, stack.optimizer, scheduler=stack.scheduler)
             out["warnings"] = [w.category.__name__ for w in caught if w.category is RNGStateNotRestoredWarning]
             out["rng_at_start"] = _rng_snapshot()
         for step in range(start, steps):
-            out["losses"][step] = _train_step(layout, config, chunks, optimizer, _random_batch(), device)
-            args = (directory, step + 1, {"model": chunks}, optimizer, {"consumed_samples": (step + 1) * NUM_SEQS})
+            out["losses"][step] = _train_step(layout, stack, _random_batch(), device)
+            args = (directory, step + 1, models, stack.optimizer, {"consumed_samples": (step + 1) * NUM_SEQS},
+                    stack.scheduler)
             if step + 1 == save_at:
                 out["rng_at_save"] = _rng_snapshot()
                 save_checkpoint(*args)
             if step + 1 == crash_at:
                 _save_and_die(*args)
-        out["params"] = _weights(chunks)
+        out["params"] = _weights(stack.chunks)
+        out["lr"] = [group["lr"] for group in stack.optimizer.param_groups]
         return out
     finally:
         parallel_state.destroy_model_parallel()
 
 
+# PP2 x VP2: two model chunks per rank (model0, model1); EP2 x DP2: the dense optimizer state sharded over 2 ranks.
 @pytest.mark.slow
-def test_resume_after_a_crash_during_a_save_is_identical_to_uninterrupted_training(tmp_path):
+@pytest.mark.parametrize("layout", [Layout(pp=2, vp=2), EP2], ids=lambda layout: layout.name)
+def test_resume_after_a_crash_during_a_save_is_identical_to_uninterrupted_training(tmp_path, layout):
     directory = str(tmp_path)
-    layout = Layout(pp=2, vp=2)  # two model chunks per rank: model0, model1
     whole = run_workers(resume_worker, 2, layout, directory, 4, save_at=2, crash_at=4)
     # Every rank wrote iteration 4, but the run died before the tracker moved: 2 is the last complete one.
     assert latest_iteration(directory) == 2
@@ -159,6 +169,7 @@ def test_resume_after_a_crash_during_a_save_is_identical_to_uninterrupted_traini
         for (shard, value), (shard_b, value_b) in zip(a["params"], b["params"]):
             assert shard == shard_b
             _assert_same(value, value_b, exact, shard.name)
+        assert a["lr"] == b["lr"]
 
 
 def _assert_same(a, b, exact, what=""):
@@ -183,60 +194,70 @@ def _lagging_copy(config, device):
 
 
 def save_across_layouts_worker(layout, directory):
-    """Two steps, save (model, lagging copy, optimizer), then a third step: what any layout must reproduce.
+    """Two steps, save (model, lagging copy, optimizer, schedule), then a third step: what any layout
+    must reproduce.
 
     The first attempt to save dies before the tracker is written; the second replaces its leftover.
     """
-    device, config, chunks, optimizer = _setup(layout)
+    device, config, stack = _setup(layout)
     try:
         for index in range(2):
-            _train_step(layout, config, chunks, optimizer, _fixed_batch(index), device)
-        args = (directory, 2, {"model": chunks, "rollout0": _lagging_copy(config, device)}, optimizer,
-                {"consumed_samples": 8})
+            _train_step(layout, stack, _fixed_batch(index), device)
+        args = (directory, 2, {"model": stack.chunks, "rollout0": _lagging_copy(config, device)}, stack.optimizer,
+                {"consumed_samples": 8}, stack.scheduler)
         _save_and_die(*args)
         out = {"after_crash": (latest_iteration(directory), sorted(os.listdir(directory)))}
         save_checkpoint(*args)
         out["after_save"] = (latest_iteration(directory), sorted(os.listdir(directory)))
-        out["params"] = _weights(chunks)
-        out["losses"] = _train_step(layout, config, chunks, optimizer, _fixed_batch(2), device)
-        out["params_after_step"] = _weights(chunks)
+        out["params"] = _weights(stack.chunks)
+        out["losses"] = _train_step(layout, stack, _fixed_batch(2), device)
+        out["params_after_step"] = _weights(stack.chunks)
         return out
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def load_across_layouts_worker(layout, directory):
-    device, config, chunks, optimizer = _setup(layout)
+def load_across_layouts_worker(layout, directory, flags=DISTRIBUTED):
+    device, config, stack = _setup(layout, flags=flags)
     try:
         lagging = build_gpt(config, MODEL, seed=2, device=device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            iteration, state = load_checkpoint(directory, {"model": chunks, "rollout0": lagging}, optimizer)
-        out = {"iteration": iteration, "state": state, "params": _weights(chunks),
+            iteration, state = load_checkpoint(directory, {"model": stack.chunks, "rollout0": lagging},
+                                               stack.optimizer, scheduler=stack.scheduler)
+        out = {"iteration": iteration, "state": state, "params": _weights(stack.chunks),
                "lagging": param_values(lagging), "lagging_expected": param_values(_lagging_copy(config, device)),
-               "warnings": [str(w.message) for w in caught if w.category is RNGStateNotRestoredWarning]}
-        out["losses"] = _train_step(layout, config, chunks, optimizer, _fixed_batch(2), device)
-        out["params_after_step"] = _weights(chunks)
+               "warnings": [str(w.message) for w in caught if w.category is RNGStateNotRestoredWarning],
+               "scheduler_steps": stack.scheduler.num_steps}
+        out["losses"] = _train_step(layout, stack, _fixed_batch(2), device)
+        out["params_after_step"] = _weights(stack.chunks)
         return out
     finally:
         parallel_state.destroy_model_parallel()
 
 
-@pytest.fixture(scope="module")
-def ep2_checkpoint(tmp_path_factory):
-    """A checkpoint saved under EP2 (DP2) after two steps, and what that run did next."""
-    directory = str(tmp_path_factory.mktemp("ep2-checkpoint"))
-    return directory, run_workers(save_across_layouts_worker, 2, EP2, directory)
+@pytest.fixture(scope="module", params=[EP2, Layout(dp=2)], ids=lambda layout: f"saved-{layout.name}")
+def saved_checkpoint(request, tmp_path_factory):
+    """A checkpoint of the distributed optimizer saved under EP2 x DP2 or DP2 after two steps, and what
+    that run did next."""
+    directory = str(tmp_path_factory.mktemp(f"checkpoint-{request.param.name}"))
+    return directory, run_workers(save_across_layouts_worker, 2, request.param, directory)
 
 
+# EP2 splits Megatron's optimizer in two (dense, experts), the other layouts do not; DP1 has one shard.
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [Layout(tp=2, sp=True), Layout(pp=2)], ids=lambda layout: layout.name)
-def test_checkpoint_saved_under_ep2_loads_under_another_layout(ep2_checkpoint, layout):
-    directory, saved = ep2_checkpoint
-    loaded = run_workers(load_across_layouts_worker, 2, layout, directory)
+@pytest.mark.parametrize("layout, flags", [
+    (Layout(tp=2, sp=True), DISTRIBUTED),
+    (Layout(), DISTRIBUTED),
+    (Layout(pp=2), ()),  # the plain optimizer takes the distributed one's moments
+], ids=lambda x: x.name if isinstance(x, Layout) else ("distopt" if x else "plain"))
+def test_checkpoint_loads_under_another_layout(saved_checkpoint, layout, flags):
+    directory, saved = saved_checkpoint
+    loaded = run_workers(load_across_layouts_worker, layout.world_size, layout, directory, flags)
     num_tokens = SEQ_LEN * NUM_SEQS
     for result in loaded:
         assert result["iteration"] == 2 and result["state"] == {"consumed_samples": 8}
+        assert result["scheduler_steps"] == 2
         assert len(result["warnings"]) == 1 and "RNG states not restored" in result["warnings"][0]
         assert result["lagging"] and all(torch.equal(a[1], b[1]) for a, b in
                                          zip(result["lagging"], result["lagging_expected"]))
@@ -253,7 +274,7 @@ def test_checkpoint_saved_under_ep2_loads_under_another_layout(ep2_checkpoint, l
     torch.testing.assert_close(full_token_losses([{"losses": r["losses"]} for r in loaded], num_tokens),
                                full_token_losses([{"losses": r["losses"]} for r in saved], num_tokens),
                                rtol=0, atol=1e-5)
-    # The same AdamW step: moments and step count followed the layout change. A step from a fresh
+    # The same Adam step: moments and step count followed the layout change. A step from a fresh
     # optimizer state would move the weights by about the learning rate (1e-2) elsewhere.
     stepped, stepped_here = full(saved, "params_after_step"), full(loaded, "params_after_step")
     for name in stepped:
@@ -262,52 +283,64 @@ def test_checkpoint_saved_under_ep2_loads_under_another_layout(ep2_checkpoint, l
         assert not torch.equal(stepped[name], at_save[name]), f"{name} did not move"
 
 
-def test_saving_again_replaces_the_leftover_of_an_interrupted_save(ep2_checkpoint):
-    _, saved = ep2_checkpoint
+def test_saving_again_replaces_the_leftover_of_an_interrupted_save(saved_checkpoint):
+    _, saved = saved_checkpoint
     for result in saved:
         assert result["after_crash"] == (None, ["iter_0000002.saving"])
         assert result["after_save"] == (2, ["iter_0000002", TRACKER_FILENAME])
 
 
 def refused_worker(directory, elsewhere):
-    """Loads the EP2 checkpoint into a model with more experts, then with a model it does not hold;
-    saves an optimizer whose parameters are at different steps."""
+    """Loads the EP2 checkpoint into a model with more experts, with a model it does not hold, under
+    another learning-rate schedule; a checkpoint of the plain optimizer into the distributed one."""
     out = {}
-    _, _, chunks, optimizer = _setup(Layout(), TinyMoE(num_experts=8))
+    _, _, stack = _setup(Layout(), TinyMoE(num_experts=8))
     try:
-        load_checkpoint(directory, {"model": chunks}, optimizer)
+        load_checkpoint(directory, {"model": stack.chunks}, stack.optimizer)
     except ValueError as error:
         out["other_shape"] = str(error)
     parallel_state.destroy_model_parallel()
-    device, config, chunks, optimizer = _setup(Layout())
+    device, config, stack = _setup(Layout(), flags=DISTRIBUTED + ("--lr", "2e-2", "--lr-decay-style", "linear"))
+    for name, models, scheduler in (
+            ("not_saved", {"model": stack.chunks, "reference": build_gpt(config, MODEL, seed=3, device=device)}, None),
+            ("other_schedule", {"model": stack.chunks}, stack.scheduler)):
+        try:
+            load_checkpoint(directory, models, stack.optimizer, scheduler=scheduler)
+        except ValueError as error:
+            out[name] = str(error)
+    parallel_state.destroy_model_parallel()
+    device, _, plain = _setup(Layout(), flags=())
+    _train_step(Layout(), plain, _fixed_batch(0), device)
+    save_checkpoint(elsewhere, 1, {"model": plain.chunks}, plain.optimizer, None, plain.scheduler)
+    parallel_state.destroy_model_parallel()
+    _, _, stack = _setup(Layout())
     try:
-        load_checkpoint(directory, {"model": chunks, "reference": build_gpt(config, MODEL, seed=3, device=device)},
-                        optimizer)
+        load_checkpoint(elsewhere, {"model": stack.chunks}, stack.optimizer, scheduler=stack.scheduler)
     except ValueError as error:
-        out["not_saved"] = str(error)
-    try:
-        params = [p for chunk in chunks for p in chunk.parameters()]
-        params[0].grad = torch.ones_like(params[0])  # only this one gets a step
-        optimizer.step()
-        save_checkpoint(elsewhere, 1, {"model": chunks}, optimizer, None)
-    except ValueError as error:
-        out["steps"] = str(error)
+        out["other_optimizer"] = str(error)
     finally:
         parallel_state.destroy_model_parallel()
     return out
 
 
 @pytest.mark.slow
-def test_checkpoint_that_does_not_fit_is_refused(ep2_checkpoint, tmp_path):
-    directory, _ = ep2_checkpoint
-    (out,) = run_workers(refused_worker, 1, directory, str(tmp_path / "elsewhere"))
+@pytest.mark.parametrize("saved_checkpoint", [EP2], indirect=True, ids=lambda layout: f"saved-{layout.name}")
+def test_checkpoint_that_does_not_fit_is_refused(saved_checkpoint, tmp_path):
+    directory, _ = saved_checkpoint
+    elsewhere = str(tmp_path / "elsewhere")
+    (out,) = run_workers(refused_worker, 1, directory, elsewhere)
     path = iteration_dir(directory, 2)
     assert out["other_shape"] == (f"{path} does not fit: tensor decoder.layers.1.mlp.router.weight has shape "
                                   "(4, 32) in the checkpoint, (8, 32) in the model")
     assert out["not_saved"] == f"{path} does not fit: the checkpoint has no tensor reference.embedding.word_embeddings.weight"
-    assert out["steps"] == ("cannot save the optimizer: rank 0: its parameters are at different steps [0.0, 1.0] "
-                            "(a parameter without gradient skips a step)")
-    assert not (tmp_path / "elsewhere").exists()
+    assert out["other_schedule"] == (
+        f"{path} does not fit: its learning-rate schedule is not this run's (--lr 0.02 here, 0.01 there; "
+        "--lr-decay-style linear here, constant there): pass --override-opt-param-scheduler to take the flags', "
+        "--use-checkpoint-opt-param-scheduler the checkpoint's")
+    # The distributed optimizer keeps fp32 main weights, which the plain optimizer's checkpoint does not hold.
+    assert out["other_optimizer"] == (f"{iteration_dir(elsewhere, 1)} does not fit: the checkpoint has no tensor "
+                                      "optimizer.state.param.output_layer.weight (the optimizer that saved it kept "
+                                      "other state: distributed or not, fp32 or bf16 parameters)")
 
 
 def test_loading_without_a_checkpoint_is_refused(tmp_path):

@@ -44,16 +44,26 @@ def test_metrics_are_sums_divided_and_have_exactly_the_keys():
     assert (metrics["routing/replayed_tokens"], metrics["routing/live_tokens"]) == (140, 10)
 
 
+def test_the_steps_learning_rate_and_gradient_norm_are_reported():
+    sums = {**filled_sums(), "lr": np.array([1e-4]), "grad_norm": np.array([2.5])}
+    metrics = iteration_metrics(sums, LAYERS, iteration=3, consumed_samples=30, tokens_per_s=12.5, elapsed_s=6.0,
+                                eta_s=14.0)
+    assert metrics["lr"] == 1e-4 and metrics["grad_norm"] == 2.5
+    assert "| reward: 0.4000 | lr: 1.000E-04 | grad norm: 2.500 |" in progress_line(metrics, 40)
+
+
 def test_unmeasured_values_are_none_and_the_progress_line_leaves_them_out(tmp_path):
     sums = filled_sums(live_measured=False)
     sums["agreement"][:] = 0
     metrics = iteration_metrics(sums, LAYERS, iteration=3, consumed_samples=30, tokens_per_s=12.5,
                                 elapsed_s=6.0, eta_s=3725.0)
     assert metrics["mismatch/live/k3_kl"] is None and metrics["routing/agreement"] is None
+    assert metrics["lr"] is None and metrics["grad_norm"] is None
     line = progress_line(metrics, 40)
     assert line.startswith(" iteration        3/      40 | consumed samples:         30 | loss: -5.000000E-02")
     assert "k3 replay: 5.000E-04" in line and "k3 live" not in line
     assert "agreement: n/a" in line and "tokens/s: 12.5" in line and line.endswith("ETA: 1:02:05")
+    assert "lr:" not in line
 
     path = tmp_path / "metrics.jsonl"
     out = MetricsFile(str(path))

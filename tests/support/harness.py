@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-from megatron_r3.grads import reduce_grads
 from tests.support.batches import Sequences, layout_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
@@ -53,10 +53,11 @@ class Step:
 def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     """Worker: one forward/backward of the tiny MoE GPT on ``data`` under ``layout``.
 
-    Builds the model chunks of this rank (weights from ``step.seed``), slices
-    ``data`` for this rank (BSHD, or THD when ``layout.packed``), runs Megatron's
-    schedule, sums gradients across ranks like Megatron's DDP and
-    ``finalize_model_grads``, and returns:
+    Builds the model chunks of this rank (weights from ``step.seed``) in Megatron's
+    ``DistributedDataParallel``, slices ``data`` for this rank (BSHD, or THD when
+    ``layout.packed``) and runs Megatron's schedule, which ends a training pass with
+    ``finalize_model_grads``: gradients reduced across ranks and divided by the number
+    of loss tokens (the same divisor in every layout). Returns:
 
     * ``"losses"``: ``(token_index, per_token_loss)`` 1-D CPU tensors of the tokens
       this rank computed a loss for (last pipeline stage; padding dropped);
@@ -68,12 +69,14 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     try:
         config = make_config(layout, step.model, **dict(step.config_overrides))
         chunks = build_gpt(config, step.model, step.seed, device)
+        config.finalize_model_grads_func = finalize_model_grads
+        model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
         microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)
         recorder = RouterRecorder(chunks, config.sequence_parallel)
         forward_step_func = step.forward_step_func
         if step.setup is not None:
             forward_step_func = partial(forward_step_func, **step.setup(config))
-        results = forward_backward(chunks, microbatches, step.forward_only, recorder, forward_step_func)
+        results = forward_backward(model, microbatches, step.forward_only, recorder, forward_step_func)
         recorder.remove()
         out = {
             "losses": _local_losses(results),
@@ -81,7 +84,6 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
             "router_margins": recorder.margins,
         }
         if not step.forward_only:
-            reduce_grads(chunks, config)
             out["grads"] = grad_shards(chunks)
         return out
     finally:

@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_r3.expert_counts import ExpertCountExchange
 from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
@@ -84,7 +85,7 @@ def replay_forward_step(
         recordings.append((token_index.cpu(), routing))
     # Only the first stage gets token ids: later stages count their router rows from the
     # received activation, and still route their own MoE layers.
-    first = model.pre_process
+    first = get_attr_wrapped_model(model, "pre_process")
     with recorder.microbatch(mb) if recorder else contextlib.nullcontext():
         per_token_loss = model(
             input_ids=mb.tokens if first else None,

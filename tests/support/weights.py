@@ -136,8 +136,9 @@ def load_full(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor]) 
 
 
 def grad_shards(chunks: Iterable[torch.nn.Module]) -> list[tuple[Shard, torch.Tensor]]:
-    """This rank's gradients as ``(Shard, grad)`` on the CPU, for :func:`assemble`."""
-    return [(shard, param.grad.detach().cpu()) for param, shard in param_shards(chunks)]
+    """This rank's gradients (``main_grad``: what Megatron's DDP accumulated and reduced) as
+    ``(Shard, grad)`` on the CPU, for :func:`assemble`."""
+    return [(shard, param.main_grad.detach().cpu()) for param, shard in param_shards(chunks)]
 
 
 def param_values(chunks: Iterable[torch.nn.Module]) -> list[tuple[Shard, torch.Tensor]]:
