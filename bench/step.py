@@ -8,7 +8,7 @@ The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher,
 ``SequentialMLP`` experts, bf16) runs the trainer's update pass (forward and backward of
 ``--microbatches`` packed THD rows through Megatron's schedule, the clipped policy-gradient
 loss) on the same samples, prepared by the loop's microbatch pipeline
-(:mod:`megatron_r3.microbatch_pipeline`, one microbatch ahead), several ways:
+(:mod:`megatron_r3.dataplane.microbatch_pipeline`, one microbatch ahead), several ways:
 
 * ``live``: the router decides (no replay);
 * ``upstream``: upstream ``RouterReplay`` replays the same routes (global action and data);
@@ -53,18 +53,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from launch import pretrain_gpt_r3 as launcher
-from megatron_r3.adapters import RoutingSpec
-from megatron_r3.expert_counts import ExpertCountExchange
-from megatron_r3.host_syncs import counted_host_syncs
-from megatron_r3.microbatch_pipeline import MicrobatchPipeline
-from megatron_r3.model_pass import run_pass
-from megatron_r3.moe_layers import PipelineSplit
-from megatron_r3.plan import RankLayout
-from megatron_r3.policy_trainer import PolicyUpdateSettings, PolicyLoss
-from megatron_r3.rollout_batch import RowLayout
-from megatron_r3.rollout_dump import RolloutSample
-from megatron_r3.routes import RolloutRoutes
+from megatron_r3.dataplane.expert_counts import ExpertCountExchange
+from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.layers.moe_layers import PipelineSplit
+from megatron_r3.rl import arguments, model_factory
+from megatron_r3.rl.host_syncs import counted_host_syncs
+from megatron_r3.rl.model_pass import run_pass
+from megatron_r3.rl.policy_trainer import PolicyUpdateSettings, PolicyLoss
 from megatron_r3.routing_replay import moe_layer_numbers
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
@@ -113,7 +113,7 @@ def initialize(args) -> torch.device:
 
 def build_model(args, device):
     """The launcher's model for these sizes (bf16, alltoall, every layer MoE, replay-capable)."""
-    flags = launcher.parse_args([
+    flags = arguments.parse_args([
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--ffn-hidden-size", str(4 * args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
         "--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
@@ -122,8 +122,8 @@ def build_model(args, device):
         "--expert-model-parallel-size", str(args.ep), "--bf16", "--moe-enable-routing-replay",
         "--init-method-std", "0.02",
     ])
-    config = launcher.transformer_config(flags, device)
-    (model,) = launcher.build_model(flags, config, device)
+    config = model_factory.transformer_config(flags, device)
+    (model,) = model_factory.build_model(flags, config, device)
     return model, config
 
 

@@ -21,17 +21,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_r3.rollout_dump import RolloutDumpReader, RolloutDumpWriter
+from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, RolloutDumpWriter
 from tests.support.launcher import run_workers
 from tests.support.planted import snapshot, unchecked_writer
 from tests.test_launch import DUMP_FLAGS, EMBEDDED_FLAGS, EXPERTS, REPO, TOPK, write_dump
 
 
 def parse(argv, capsys):
-    from launch import pretrain_gpt_r3 as launcher
+    from megatron_r3.rl.arguments import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
-        launcher.parse_args(argv)
+        parse_args(argv)
     return exit_info.value.code, capsys.readouterr().err
 
 
@@ -111,15 +111,16 @@ def _main_cases(cases, store_dir):
     exit status, stderr, stdout, checksums of ``folder`` before and after, and what the hook saw.
     """
     from launch import pretrain_gpt_r3 as launcher
+    from megatron_r3.rl import run as rl_run
 
-    original_setup = launcher.setup
+    original_setup = rl_run.setup
     results = []
     for number, (argv, folder, hook) in enumerate(cases):
         if not dist.is_initialized():  # main() ends the process group; the next case joins a fresh one
             dist.init_process_group("gloo", init_method=f"file://{store_dir}/case-{number}",
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         seen = {}
-        launcher.setup = original_setup if hook is None else HOOKS[hook](original_setup, seen)
+        rl_run.setup = original_setup if hook is None else HOOKS[hook](original_setup, seen)
         dist.barrier()
         before = snapshot(folder)
         dist.barrier()
@@ -134,7 +135,7 @@ def _main_cases(cases, store_dir):
             dist.barrier()
         results.append({"code": code, "err": err.getvalue(), "out": out.getvalue(), "before": before,
                         "after": snapshot(folder), "seen": _finish_hook(seen)})
-    launcher.setup = original_setup
+    rl_run.setup = original_setup
     return results
 
 
@@ -389,13 +390,15 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
 
 def _trainer_guards(argv):
     """PolicyTrainer.step's own checks: samples that enter it, and gradients that are not finite."""
-    from launch import pretrain_gpt_r3 as launcher
-    from megatron_r3.policy_trainer import NonFiniteStepError
-    from megatron_r3.sample_checks import SampleValueError
+    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.run import setup
+    from megatron_r3.dataplane.sample_checks import SampleValueError
+    from megatron_r3.rl.policy_trainer import NonFiniteStepError
 
-    args = launcher.parse_args(argv)
-    device = launcher.initialize(args)
-    run = launcher.setup(args, device, lambda line: None)
+    args = parse_args(argv)
+    device = initialize(args)
+    run = setup(args, device, lambda line: None)
     messages = []
     try:
         batch = run.source.batch(1)
@@ -446,7 +449,7 @@ def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
 # The checks themselves, without ranks.
 
 def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path):
-    from megatron_r3.checkpointing import find_checkpoint
+    from megatron_r3.rl.checkpointing import find_checkpoint
 
     run = tmp_path / "ckpt"
     for iteration in (2, 4):
@@ -473,7 +476,7 @@ def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path)
 
 
 def test_save_directory_probe_leaves_nothing_behind(tmp_path):
-    from megatron_r3.checkpointing import save_directory_problem
+    from megatron_r3.rl.checkpointing import save_directory_problem
 
     assert save_directory_problem(str(tmp_path / "new" / "ckpt")) is None
     assert save_directory_problem(str(tmp_path)) is None
@@ -491,7 +494,7 @@ def test_save_directory_probe_leaves_nothing_behind(tmp_path):
     (True, False, False, False, True, "resume", False),  # a torchrun restart before the first checkpoint
 ])
 def test_metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt, mode, refused):
-    from megatron_r3.run_checks import metrics_file_mode
+    from megatron_r3.rl.run_checks import metrics_file_mode
 
     got, problem = metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt)
     assert (problem is not None) == refused
@@ -500,7 +503,7 @@ def test_metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt, 
 
 
 def test_metrics_file_modes_keep_what_they_must(tmp_path):
-    from megatron_r3.train_metrics import MetricsFile
+    from megatron_r3.rl.train_metrics import MetricsFile
 
     path = tmp_path / "m.jsonl"
     lines = "".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3))
@@ -518,7 +521,7 @@ def test_metrics_file_modes_keep_what_they_must(tmp_path):
 
 
 def test_microbatch_problem_names_the_first_microbatch_that_does_not_fit():
-    from megatron_r3.run_checks import microbatch_problem
+    from megatron_r3.rl.run_checks import microbatch_problem
 
     lens = [10, 30, 12, 8, 40]  # read cyclically: positions 5, 6, ... are records 0, 1, ...
     fits = dict(consumed_samples=0, iterations=10, global_batch=4, micro_batch_size=2, alignment=4,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.train_metrics import metric_keys
+from megatron_r3.rl.train_metrics import metric_keys
 from tests.support.launcher import WorkerError, run_workers
 from tools.synthetic_rollout_dump import write_synthetic_dump
 
@@ -40,13 +40,15 @@ def write_dump(path, routed=True):
 
 
 def train_worker(argv):
-    from launch import pretrain_gpt_r3 as launcher
+    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.run import train
 
-    args = launcher.parse_args(argv)
-    device = launcher.initialize(args)  # the process group exists: parallel state and seeds
+    args = parse_args(argv)
+    device = initialize(args)  # the process group exists: parallel state and seeds
     lines = []
     try:
-        history = launcher.train(args, device, log=lines.append)
+        history = train(args, device, log=lines.append)
     finally:
         parallel_state.destroy_model_parallel()
     return {"history": history, "lines": lines}
@@ -90,7 +92,7 @@ def capture_passes():
     Returns the list the passes land in: per pass its owner, kind, and per microbatch and chunk
     the routes given (None: live) and taken.
     """
-    from megatron_r3 import policy_trainer, rollout_engine
+    from megatron_r3.rl import policy_trainer, rollout_engine
 
     passes = []
 
@@ -288,7 +290,7 @@ def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
 def test_dump_without_rewards_is_refused(tmp_path):
     path = write_synthetic_dump(str(tmp_path / "bare.r3dump"), num_samples=2, num_layers=4,
                                 moe_layer_freq=[0, 1, 0, 1], num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB)
-    from megatron_r3.rollout_dump import RolloutDumpReader, RolloutDumpWriter
+    from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, RolloutDumpWriter
 
     bare = str(tmp_path / "no-reward.r3dump")
     with RolloutDumpReader(path) as reader, RolloutDumpWriter(

@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_r3.host_syncs import counted_host_syncs
+from megatron_r3.rl.host_syncs import counted_host_syncs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
@@ -97,14 +97,16 @@ def test_replayed_step_with_host_splits_makes_no_host_sync(layout):
 def launcher_update_pass_worker(argv, fillers):
     """The launcher's R3 update pass (embedded default, rollout-shaped samples from its engine)
     under ``set_sync_debug_mode("error")`` with filler routes, or counted without them."""
-    from launch import pretrain_gpt_r3 as launcher
-    from megatron_r3.model_pass import run_pass
-    from megatron_r3.policy_trainer import PolicyLoss
+    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.run import setup
+    from megatron_r3.rl.model_pass import run_pass
+    from megatron_r3.rl.policy_trainer import PolicyLoss
 
-    args = launcher.parse_args(argv)
-    device = launcher.initialize(args)
+    args = parse_args(argv)
+    device = initialize(args)
     try:
-        run = launcher.setup(args, device)
+        run = setup(args, device)
         batch = run.source.batch(1)  # the engine's samples: no route for each final token
         trainer = run.trainer
 

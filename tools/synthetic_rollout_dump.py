@@ -22,10 +22,11 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from megatron_r3.moe_layers import moe_layer_numbers, parse_moe_layer_freq
-from megatron_r3.output_files import atomic_output
-from megatron_r3.rollout_dump import RolloutDumpWriter, RolloutSample
-from megatron_r3.routes import RolloutRoutes
+from megatron_r3.dataplane.output_files import atomic_output
+from megatron_r3.dataplane.rollout_dump import RolloutDumpWriter
+from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.layers.moe_layers import moe_layer_numbers, parse_moe_layer_freq
 
 
 def write_synthetic_dump(
@@ -45,7 +46,7 @@ def write_synthetic_dump(
 ) -> str:
     """Writes the dump and returns ``path``; lengths are uniform in ``[min_len, max_len]``.
 
-    ``path`` is written through :func:`megatron_r3.output_files.atomic_output`: an
+    ``path`` is written through :func:`megatron_r3.dataplane.output_files.atomic_output`: an
     existing file is refused unless ``overwrite``.
     """
     if not 2 <= min_len <= max_len:

@@ -14,7 +14,7 @@ Slicing per layout:
 * BSHD context parallelism: Megatron's own ``get_batch_on_this_cp_rank``;
 * packed THD: sequences padded to a multiple of ``2 * cp`` (times ``tp`` with SP),
   packed, and each rank keeps its zigzag chunks sequence by sequence
-  (:func:`megatron_r3.context_parallel.thd_zigzag_index`);
+  (:func:`megatron_r3.layers.context_parallel.thd_zigzag_index`);
 * sequence parallelism slices inside the model (after the embedding).
 """
 
@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_r3.context_parallel import thd_zigzag_index
+from megatron_r3.layers.context_parallel import thd_zigzag_index
 
 
 @dataclasses.dataclass

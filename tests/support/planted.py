@@ -14,7 +14,7 @@ from unittest import mock
 
 import numpy as np
 
-from megatron_r3 import rollout_dump
+from megatron_r3.dataplane import rollout_dump
 
 
 @contextlib.contextmanager

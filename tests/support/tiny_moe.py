@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layer_specs import get_gpt_decoder_block_r3_spec
+from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
 from tests.support.parallel import Layout
 from tests.support.weights import init_from_seed
 

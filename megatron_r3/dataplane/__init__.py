@@ -1,0 +1,3 @@
+"""Rollout data on its way from the engine's output to the router: samples and routes, their formats
+and checks, the rollout dump, packing into microbatches, route plans, transport and prefetch.
+"""

@@ -1,0 +1,72 @@
+"""The two types every part of the data plane shares: a rollout sample and the model its routes are for.
+
+:class:`RolloutSample` is what a rollout engine returns for one prompt and completion
+(tokens, loss mask, log-probs, routes) and what the trainer packs; the rollout dump
+(:mod:`megatron_r3.dataplane.rollout_dump`) stores it. :class:`RoutingSpec` says what a
+model's routes must look like (its MoE layers, experts, top-k); every adapter and check
+of routes takes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.layers.moe_layers import moe_layer_numbers
+
+
+@dataclass
+class RolloutSample:
+    """One rollout sample as stored in a dump.
+
+    Attributes:
+        token_ids: int32 ``[T]``, prompt and generated tokens.
+        loss_mask: bool ``[T]``.
+        logprobs: Optional float32 ``[T]``, the rollout engine's log-prob of each token.
+        routes: Optional routes over the same T tokens.
+        meta: JSON-serialisable per-sample metadata.
+    """
+
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: Optional[np.ndarray] = None
+    routes: Optional[RolloutRoutes] = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """What routes must look like for one model.
+
+    Attributes:
+        num_layers: Decoder layers of the full model (``num_hidden_layers``).
+        moe_layer_numbers: 1-based numbers of its MoE layers, increasing.
+        num_experts: Routed experts per MoE layer.
+        topk: Experts per token.
+    """
+
+    num_layers: int
+    moe_layer_numbers: tuple[int, ...]
+    num_experts: int
+    topk: int
+
+    def __post_init__(self):
+        # Named by the flags that set them (the launcher's and the tools'), before any route is read.
+        if self.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"--moe-router-topk {self.topk} must lie in [1, --num-experts {self.num_experts}]")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "RoutingSpec":
+        """From a Megatron ``TransformerConfig`` (``num_layers``, ``moe_layer_freq``,
+        ``num_moe_experts``, ``moe_router_topk``)."""
+        return cls(
+            num_layers=config.num_layers,
+            moe_layer_numbers=moe_layer_numbers(config.num_layers, config.moe_layer_freq),
+            num_experts=config.num_moe_experts,
+            topk=config.moe_router_topk,
+        )

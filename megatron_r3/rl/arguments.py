@@ -1,0 +1,189 @@
+"""The launcher's flags: Megatron's names, a default for each that makes a small embedded run.
+
+:func:`parse_args` parses them and refuses what does not fit together, one line per
+problem (exit status 2); :func:`complete_args` fills the defaults that follow from other
+flags (the task's vocabulary and lengths, ``--seq-length``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_r3.layers.moe_layers import parse_moe_layer_freq
+from megatron_r3.rl.policy_trainer import REPLAY_MODES
+from megatron_r3.rl.run_checks import relation_problems, value_problems
+from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
+from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
+from megatron_r3.routing_replay import add_routing_replay_args
+
+DESCRIPTION = "RL training of a Megatron GPT MoE with rollout routing replay (R3)."
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Megatron-style flags; every one has a default that makes a small embedded run."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION, prog="pretrain_gpt_r3.py")
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=8)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--ffn-hidden-size", type=int, default=256)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention groups")
+    model.add_argument("--num-experts", type=int, default=8)
+    model.add_argument("--moe-router-topk", type=int, default=2)
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=128)
+    model.add_argument("--moe-layer-freq", default="1",
+                       help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated")
+    model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
+    model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
+    model.add_argument("--init-method-std", type=float, default=0.15, help="std of the normal weight init")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
+    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    model.add_argument("--bf16", action="store_true",
+                       help="train in bf16 parameters and activations, with fp32 main weights in the optimizer "
+                            "(default fp32; the rollout engine is bf16)")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--sequence-parallel", action="store_true")
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    parallel.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    parallel.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    parallel.add_argument("--context-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    parallel.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    parallel.add_argument("--recompute-num-layers", type=int, default=1)
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--rollout-dump", default=None,
+                          help="train on this rollout dump (megatron_r3.dataplane.rollout_dump) instead of the built-in engine")
+    training.add_argument("--allow-truncated-rollout-dump", action="store_true",
+                          help="train on a --rollout-dump without its footer (its writer did not finish, or the file "
+                               "was cut), on the whole samples it holds, with a warning; refused by default")
+    training.add_argument("--micro-batch-size", type=int, default=8, help="samples packed per microbatch")
+    training.add_argument("--global-batch-size", type=int, default=None,
+                          help="samples per iteration over all data-parallel ranks (default: 32 in the embedded "
+                               "run, one microbatch per rank with --rollout-dump)")
+    training.add_argument("--seq-length", type=int, default=None,
+                          help="length of a packed microbatch row (default in the embedded run: room for "
+                               "--micro-batch-size of the task's longest samples; required with --rollout-dump)")
+    training.add_argument("--train-iters", type=int, default=40)
+    training.add_argument("--seed", type=int, default=1234)
+    training.add_argument("--log-interval", type=int, default=1)
+    training.add_argument("--timing-log-level", type=int, choices=(0, 1), default=0,
+                          help="1: the progress line also gives the seconds of each phase (rollout, each training "
+                               "pass, optimizer step); the metrics file always has them (time/<phase>_s)")
+    training.add_argument("--count-host-syncs", action="store_true",
+                          help="count the host's waits for the device in each phase (sync-debug syncs and "
+                               "explicit waits), for diagnosis: host_syncs/<phase> in the metrics (CUDA only)")
+    training.add_argument("--metrics-file", default=None,
+                          help="one JSON object per logged iteration (a resumed run keeps the lines up to its "
+                               "checkpoint and continues them; a run from scratch refuses an existing file)")
+    existing_metrics = training.add_mutually_exclusive_group()
+    existing_metrics.add_argument("--append-metrics-file", action="store_true",
+                                  help="a run from scratch appends to an existing --metrics-file")
+    existing_metrics.add_argument("--overwrite-metrics-file", action="store_true",
+                                  help="a run from scratch replaces an existing --metrics-file")
+
+    checkpoints = parser.add_argument_group("checkpointing")
+    checkpoints.add_argument("--save", default=None, help="directory to save checkpoints to")
+    checkpoints.add_argument("--save-interval", type=int, default=None,
+                             help="iterations between checkpoints (default: only at the end of training)")
+    checkpoints.add_argument("--load", default=None,
+                             help="directory to resume from (its latest complete checkpoint), or one iter_NNNNNNN "
+                                  "folder in it; without a checkpoint there the run stops, unless --load-optional")
+    checkpoints.add_argument("--load-optional", action="store_true",
+                             help="start from scratch when --load holds no checkpoint yet (so --load and --save may "
+                                  "name the same directory for runs that restart)")
+
+    rl = parser.add_argument_group("reinforcement learning")
+    rl.add_argument("--task", choices=sorted(TRANSFORMS), default="reverse", help="the built-in task")
+    rl.add_argument("--task-num-symbols", type=int, default=8, help="distinct symbols of the task")
+    rl.add_argument("--task-min-symbols", type=int, default=3, help="fewest symbols in a prompt")
+    rl.add_argument("--task-max-symbols", type=int, default=6, help="most symbols in a prompt")
+    rl.add_argument("--rollouts-per-prompt", type=int, default=4,
+                    help="completions per prompt; advantages are normalised within these groups (GRPO)")
+    rl.add_argument("--rollout-temperature", type=float, default=1.0)
+    rl.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's longest answer")
+    rl.add_argument("--rollout-staleness", type=int, default=0,
+                    help="optimizer steps the rollout engine's weights trail the policy's")
+    rl.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip epsilon of the importance ratio")
+    rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default=None,
+                    help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3, the default) "
+                         "or those of the trainer's own old-log-prob pass (r2)")
+    rl.add_argument("--no-filler-routes", dest="filler_routes", action="store_false",
+                    help="route the positions no loss can see (each sample's final token, padding) live instead "
+                         "of giving them filler routes: their microbatches then take Megatron's dispatch path, "
+                         "with a host sync per MoE layer (for comparison; see docs/routing_replay.md)")
+    rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
+                    help="one more forward-only pass per iteration in the other routing mode, to report the "
+                         "mismatch with and without replay (default: on without --rollout-dump)")
+    add_training_stack_args(parser)
+    add_routing_replay_args(parser)
+    args = parser.parse_args(argv)
+    if args.r3_compare is None:
+        args.r3_compare = args.rollout_dump is None
+    if args.routing_replay_mode is not None and not args.moe_enable_routing_replay:
+        parser.error(f"--routing-replay-mode {args.routing_replay_mode} needs --moe-enable-routing-replay")
+    if args.moe_enable_routing_replay and args.routing_replay_mode is None:
+        args.routing_replay_mode = "r3"
+    problems = [f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}" for flag, needs in (
+        ("save_interval", "save"), ("load_optional", "load"), ("append_metrics_file", "metrics_file"),
+        ("overwrite_metrics_file", "metrics_file"), ("allow_truncated_rollout_dump", "rollout_dump"))
+        if getattr(args, flag) not in (None, False) and getattr(args, needs) is None]
+    problems += value_problems(args)
+    if not problems:
+        try:
+            complete_args(args)
+        except ValueError as error:
+            problems = [str(error)]
+        else:
+            problems = relation_problems(args) + training_stack_problems(args)
+    if problems:  # one line each, without argparse's usage block
+        parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
+    return args
+
+
+def layer_freq(args: argparse.Namespace):
+    """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list)."""
+    return parse_moe_layer_freq(args.moe_layer_freq)
+
+
+def task_of(args: argparse.Namespace) -> SymbolTask:
+    """The built-in task the flags describe."""
+    return SymbolTask(args.task, args.task_num_symbols, args.task_min_symbols, args.task_max_symbols)
+
+
+def complete_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the defaults that depend on other flags and checks that they fit together (idempotent)."""
+    tp = args.tensor_model_parallel_size
+    if args.rollout_dump is not None:
+        for flag in ("vocab_size", "seq_length"):
+            if getattr(args, flag) is None:
+                raise ValueError(f"--{flag.replace('_', '-')} is required with --rollout-dump")
+        return args
+    task = task_of(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.max_answer_tokens
+    if args.vocab_size is None:
+        args.vocab_size = -(-task.vocab_size // tp) * tp
+    if args.vocab_size < task.vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size} is too small for task {args.task!r} with "
+                         f"{args.task_num_symbols} symbols (it needs {task.vocab_size})")
+    if args.global_batch_size is None:
+        args.global_batch_size = 32
+    cp = args.context_parallel_size
+    alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    longest = task.max_prompt_tokens + args.max_new_tokens
+    needed = args.micro_batch_size * -(-longest // alignment) * alignment
+    if args.seq_length is None:
+        args.seq_length = needed
+    elif args.seq_length < needed:
+        raise ValueError(f"--seq-length {args.seq_length} cannot hold --micro-batch-size {args.micro_batch_size} "
+                         f"samples of up to {longest} tokens (the task's longest prompt + --max-new-tokens "
+                         f"{args.max_new_tokens}), padded to multiples of {alignment}: it needs {needed}")
+    return args

@@ -1,0 +1,86 @@
+"""Process group, Megatron's parallel state and RNG for a launcher run under torchrun (or without it).
+
+It also remembers, in the torchrun agent's store, what an earlier attempt of the same run
+created (its metrics file), so that a restarted attempt (``--max-restarts``) carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_r3.rl.run_checks import RunCheckError, world_problems
+
+
+def init_model_parallel(args: argparse.Namespace) -> None:
+    """Megatron's parallel state for the flags, on an initialised default process group."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+
+
+# The torchrun agent's store (None outside torchrun): it outlives a worker group, so a restarted
+# attempt reads there what an earlier attempt of the same run noted (_note_metrics_file).
+_agent_store: Optional[dist.Store] = None
+
+
+def init_process_group(device: torch.device) -> None:
+    """The default process group from torchrun's environment (``env://``), NCCL or gloo.
+
+    Its store keys are scoped to this attempt of the worker group: after a torchrun restart
+    (``--max-restarts``) the agent's store still holds the addresses the dead workers
+    published under the same keys, and a restarted worker would try to connect to them.
+    """
+    global _agent_store
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    _agent_store = store
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, device_id=device if device.type == "cuda" else None)
+
+
+def initialize(args: argparse.Namespace) -> torch.device:
+    """Process group (from torchrun's environment unless one exists), parallel state and RNG.
+
+    CUDA and NCCL where CUDA is available, else the CPU and gloo. The flags' arithmetic with
+    the world size is checked before the parallel state is built.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        init_process_group(device)
+    problems = world_problems(args, dist.get_world_size())
+    if problems:
+        raise RunCheckError("; ".join(problems))
+    init_model_parallel(args)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    return device
+
+
+def _metrics_file_key(path: str) -> str:
+    return f"megatron_r3/metrics_file_created/{os.path.abspath(path)}"
+
+
+def noted_by_an_earlier_attempt(path: str) -> bool:
+    """Whether an earlier attempt of this torchrun run created the metrics file (:func:`note_metrics_file`)."""
+    return _agent_store is not None and _agent_store.check([_metrics_file_key(path)])
+
+
+def note_metrics_file(path: str) -> None:
+    """Tells later attempts of this torchrun run (after a restart) that the metrics file is this run's."""
+    if _agent_store is not None:
+        _agent_store.set(_metrics_file_key(path), "1")

@@ -1,0 +1,109 @@
+"""The policy's (and the rollout engine's) TransformerConfig and GPT model chunks, from the flags.
+
+The one place a model is made: the launcher, the benchmarks and the tests build theirs
+here, so all of them run the same layers (:mod:`megatron_r3.layers.specs`, no
+TransformerEngine) under the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
+from megatron_r3.rl.arguments import layer_freq
+from megatron_r3.routing_replay import routing_replay_config_kwargs
+
+
+def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: Optional[bool] = None,
+                       routing_replay: Optional[bool] = None) -> TransformerConfig:
+    """The model's ``TransformerConfig`` from the flags.
+
+    Args:
+        args: The flags.
+        device: Where the model computes.
+        bf16: Override ``--bf16`` (the rollout engine always runs bf16).
+        routing_replay: Override ``moe_enable_routing_replay`` (default: on with
+            ``--moe-enable-routing-replay`` or ``--r3-compare``, which replays in its extra pass).
+    """
+    bf16 = args.bf16 if bf16 is None else bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    replay = routing_replay_config_kwargs(args)
+    if routing_replay is None:
+        routing_replay = args.moe_enable_routing_replay or args.r3_compare
+    replay["moe_enable_routing_replay"] = routing_replay
+    recompute = {}
+    if args.recompute_granularity == "full":
+        recompute = dict(recompute_granularity="full", recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers)
+    elif args.recompute_granularity == "selective":
+        recompute = dict(recompute_granularity="selective")
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization=args.normalization,
+        init_method_std=args.init_method_std,
+        add_bias_linear=False,
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_layer_freq=layer_freq(args),
+        moe_router_score_function=args.moe_router_score_function,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=device.type == "cpu",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # The loss is a sum over tokens; the step divides by the iteration's token count.
+        calculate_per_token_loss=True,
+        # gloo (CPU) pairs batched sends and receives by order and swaps them when both go to
+        # the same peer (PP=2); separate isend/irecv are right on every backend.
+        batch_p2p_comm=device.type == "cuda",
+        **recompute,
+        **replay,
+    )
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig, device: torch.device) -> list[GPTModel]:
+    """This rank's model chunks, one per virtual pipeline stage."""
+    vp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp) if vp else [None]:
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            vp_stage=vp_stage,
+        ).to(device))
+    return chunks

@@ -1,0 +1,265 @@
+"""The built-in rollout engine: a bf16 copy of the policy that samples completions and records routes.
+
+The engine is a second set of model chunks in the trainer's parallel layout,
+built with a bf16 config and ``moe_enable_routing_replay`` (so its routers can
+record), whose weights trail the policy's by ``staleness`` optimizer steps
+(:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
+SGLang: inference precision, possibly stale weights, and the routes it took.
+
+Generation is a loop of forward-only passes through Megatron's schedule over
+packed THD rows of the fixed ``seq_length`` (no KV cache: pipeline stages
+exchange activations of one shape). After each pass the last pipeline stage
+takes every unfinished sample's last-position logits (gathered over the
+tensor-parallel vocabulary shards; under context parallelism the rank that
+holds the position contributes it), samples the next token from
+``softmax(logits / temperature)`` with a generator seeded from ``(seed,
+iteration, step, data-parallel rank)``, so every rank of a replica draws the
+same tokens, and broadcasts them to the other stages. A sample stops at the
+stop token or after ``max_new_tokens``; all data-parallel replicas run the same
+number of passes (expert parallelism spans them).
+
+One last forward-only pass over the finished samples records, per token, the
+routes every MoE layer took and the log-prob of each sampled token. The routes
+come back through the data plane (``adapters.from_megatron_recorded`` with the
+``RoutingPlan`` each part was recorded under, the parts of the replica's TP, CP
+and PP ranks gathered on every rank). Like vLLM and SGLang, the engine reports
+no route for the final sampled token (it never ran through the model), so the
+trainer routes that token live.
+
+Non-finite numbers stop the engine where they appear, on every rank of the
+replica: logits that are not finite before a token is sampled
+(:class:`RolloutEngineError`, naming the iteration, the step and the sample),
+and log-probs that are not finite or above 0 in the recorded samples
+(:func:`megatron_r3.dataplane.sample_checks.check_logprobs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_r3.dataplane.adapters import from_megatron_recorded
+from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.rl.model_pass import no_loss, run_pass, token_logprobs
+from megatron_r3.rl.replica_comm import (
+    broadcast_from_last_stage,
+    gather_objects_in_replica,
+    gather_vocab_parallel,
+    sum_over_context_parallel,
+)
+from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.dataplane.sample_checks import check_logprobs
+from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.rl.weight_lag import LaggedWeights
+
+
+class RolloutEngineError(RuntimeError):
+    """The engine's model produced numbers it cannot sample from."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples.
+
+    Attributes:
+        temperature: Softmax temperature (> 0) of the sampling distribution; the
+            reported log-probs are of that distribution.
+        max_new_tokens: Most tokens a completion gets.
+        stop_token: A sample ends once it draws this token (it is kept).
+        seed: Base seed of the sampling generators.
+    """
+
+    temperature: float
+    max_new_tokens: int
+    stop_token: int
+    seed: int
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class RolloutEngine:
+    """Samples completions with lagging bf16 weights and records their routes and log-probs.
+
+    Args:
+        make_chunks: Builds model chunks of the engine's kind (bf16 config with
+            ``moe_enable_routing_replay``): the engine's own, and one set per weight
+            snapshot of the lag.
+        policy: The trainer's model chunks, same layout; the engine trails their weights.
+        spec: The model's MoE layers, experts and top-k.
+        rows: How this rank packs rows.
+        sampling: Temperature, length limit, stop token, seed.
+        staleness: Optimizer steps the engine's weights trail the policy's by.
+    """
+
+    def __init__(
+        self,
+        make_chunks: Callable[[], Sequence[torch.nn.Module]],
+        policy: Sequence[torch.nn.Module],
+        spec: RoutingSpec,
+        rows: RowLayout,
+        sampling: SamplingParams,
+        staleness: int,
+    ):
+        self.chunks = list(make_chunks())
+        self.spec = spec
+        self.rows = rows
+        self.pipeline = MicrobatchPipeline(rows, spec)
+        self._generation_pipelines: dict[int, MicrobatchPipeline] = {}
+        self.sampling = sampling
+        self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
+        for chunk in self.chunks:
+            chunk.eval()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[np.ndarray], iteration: int) -> list[RolloutSample]:
+        """Completes this replica's ``prompts`` (every rank of the replica passes the same ones).
+
+        Call :meth:`LaggedWeights.advance` on :attr:`weights` once per iteration first.
+
+        Returns:
+            One sample per prompt, in order: prompt and completion tokens, the loss mask on
+            the completion, the engine's log-prob of every token after the first, and the
+            routes of every token but the final one.
+        """
+        tokens = [list(map(int, p)) for p in prompts]
+        prompt_lens = [len(p) for p in prompts]
+        active = np.ones(len(tokens), dtype=bool)
+        for step in range(self.sampling.max_new_tokens):
+            if not _any_rank(bool(active.any()), self.rows.device):
+                break
+            drawn = self._next_tokens(tokens, iteration, step)
+            for i in np.flatnonzero(active):
+                tokens[i].append(int(drawn[i]))
+                active[i] = drawn[i] != self.sampling.stop_token
+        return self._record(tokens, prompt_lens)
+
+    def _next_tokens(self, tokens: list[list[int]], iteration: int, step: int) -> np.ndarray:
+        """One forward pass; the token drawn after each sample's last position, on every rank."""
+        def last_position_logits(index, batch, logits):
+            ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
+            rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
+            for i, end in enumerate(ends):
+                local = torch.nonzero(batch.row_index == int(end)).flatten()
+                if len(local):  # only the CP rank that holds this position
+                    rows[i] = logits[0, int(local[0])].float()
+            return no_loss({"rows": rows}, logits)
+
+        outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),
+                           last_position_logits).outputs
+        count = len(tokens)
+        drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
+        if parallel_state.is_pipeline_last_stage():
+            vocab_shard = torch.cat([out["rows"] for out in outputs])
+            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard)).double().cpu()
+            broken = ~torch.isfinite(logits).all(dim=-1)
+            if broken.any():  # -1 tells every stage, which then raises with the last one
+                drawn.copy_(-broken.to(torch.int64))
+            else:
+                probs = torch.softmax(logits / self.sampling.temperature, dim=-1)
+                generator = torch.Generator().manual_seed(self._sampling_seed(iteration, step))
+                drawn.copy_(torch.multinomial(probs, 1, generator=generator).flatten())
+        drawn = broadcast_from_last_stage(drawn).cpu().numpy()
+        if (drawn < 0).any():
+            raise RolloutEngineError(
+                f"rollout engine, iteration {iteration}, step {step}: the logits of sample {int(np.argmax(drawn < 0))} "
+                f"are not finite ({int((drawn < 0).sum())} of {len(drawn)} samples): the engine's weights hold "
+                f"NaN or inf, or its activations overflowed"
+            )
+        return drawn
+
+    def _generation_pipeline(self, count: int) -> MicrobatchPipeline:
+        """``count`` samples in as few rows as the schedule allows (one per pipeline stage).
+
+        Generation runs a pass per sampled token; packing the samples into fewer, longer rows
+        (the trainer's rows side by side) spares the host the per-microbatch work of each of
+        those passes. The recording pass packs like the trainer, so each recorded route sits
+        where the trainer replays it.
+        """
+        if count not in self._generation_pipelines:
+            rows = self.rows
+            trainer_rows = count // rows.micro_batch_size
+            stages = parallel_state.get_pipeline_model_parallel_world_size()
+            if trainer_rows % stages == 0:  # interleaved 1F1B needs a microbatch per stage
+                per_row = trainer_rows // stages
+                rows = replace(rows, micro_batch_size=rows.micro_batch_size * per_row,
+                               seq_length=rows.seq_length * per_row)
+            self._generation_pipelines[count] = MicrobatchPipeline(rows, self.spec)
+        return self._generation_pipelines[count]
+
+    def _sampling_seed(self, iteration: int, step: int) -> int:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        state = np.random.SeedSequence([self.sampling.seed, iteration, step, dp_rank]).generate_state(2)
+        return int(state[0]) << 32 | int(state[1])
+
+    def _record(self, tokens: list[list[int]], prompt_lens: list[int]) -> list[RolloutSample]:
+        """The recording pass: routes and log-probs of the finished samples."""
+        seq_length = self.rows.seq_length
+
+        def full_row_logprobs(index, batch, logits):
+            logprobs = token_logprobs(logits, batch.labels, self.sampling.temperature)[0]
+            row = torch.zeros(seq_length, dtype=torch.float32, device=logits.device)
+            row[batch.row_index.to(logits.device)] = logprobs
+            return no_loss({"row": row}, logits)
+
+        result = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]), full_row_logprobs,
+                          record=True)
+        outputs, routings = result.outputs, result.routings
+        batches = [per_chunk[0].batch for per_chunk in result.items]
+        rows = torch.zeros((len(batches), seq_length), dtype=torch.float32, device=self.rows.device)
+        if parallel_state.is_pipeline_last_stage():
+            rows.copy_(sum_over_context_parallel(torch.stack([out["row"] for out in outputs])))
+        rows = broadcast_from_last_stage(rows).cpu().numpy()
+
+        # This rank's recorded parts, then those of the replica's other ranks.
+        local = [[(plan, routing.recorded_expert_ids().cpu())
+                  for plan, routing in zip(self.rows.plans(batch, self.spec.moe_layer_numbers), per_chunk)]
+                 for batch, per_chunk in zip(batches, routings)]
+        parts = gather_objects_in_replica(local)
+
+        samples = []
+        for m, batch in enumerate(batches):
+            routes = from_megatron_recorded([part for rank in parts for part in rank[m]], batch.sample_lens, self.spec)
+            starts = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]]))
+            for j, (start, length) in enumerate(zip(starts, batch.sample_lens)):
+                i = m * self.rows.micro_batch_size + j
+                logprobs = np.zeros(length, dtype=np.float32)
+                logprobs[1:] = rows[m, start:start + length - 1]  # position t predicts token t + 1
+                check_logprobs(logprobs, f"rollout engine sample {i}")
+                samples.append(RolloutSample(
+                    token_ids=np.asarray(tokens[i], dtype=np.int64),
+                    loss_mask=np.arange(length) >= prompt_lens[i],
+                    logprobs=logprobs,
+                    routes=_without_final_route(routes[j]),
+                ))
+        return samples
+
+
+def _unscored(tokens: list[int]) -> RolloutSample:
+    """A sample to run through the model: tokens only."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    return RolloutSample(token_ids=ids, loss_mask=np.zeros(len(ids), dtype=bool))
+
+
+def _without_final_route(routes: RolloutRoutes) -> RolloutRoutes:
+    """The same routes with none for the final token, which an engine samples but never runs."""
+    ids, valid = routes.ids.copy(), routes.valid.copy()
+    ids[-1], valid[-1] = 0, False
+    return RolloutRoutes(ids, valid, routes.num_experts, routes.layer_numbers)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is true on any rank (every replica runs the same number of passes)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

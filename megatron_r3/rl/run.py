@@ -1,0 +1,265 @@
+"""A launcher run: build it, check what it reads and writes, resume, iterate, save.
+
+:func:`train` is the whole run: :func:`check_outputs` (on every rank, before anything
+is built), :func:`setup` (the policy on Megatron's training stack, the trainer, the
+rollout source), :func:`resume` from a checkpoint, then :func:`run_iterations`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.output_files import OutputFileError, check_output
+from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.layers.moe_layers import PipelineSplit
+from megatron_r3.rl.arguments import complete_args
+from megatron_r3.rl.checkpointing import (
+    RNGStateNotRestoredWarning,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_directory_problem,
+)
+from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
+from megatron_r3.rl.model_factory import build_model, transformer_config
+from megatron_r3.rl.phase_timer import PhaseTimer
+from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
+from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
+from megatron_r3.rl.run_checks import metrics_file_mode, raise_on_any_rank
+from megatron_r3.rl.tasks import EOS
+from megatron_r3.rl.train_metrics import MetricsFile, iteration_metrics, progress_line
+from megatron_r3.rl.training_stack import build_training_stack
+
+
+@dataclass
+class TrainingRun:
+    """Everything that decides the next iteration, in one place (what a checkpoint saves and loads).
+
+    Attributes:
+        args: The completed flags.
+        trainer: The policy's chunks, optimizer and routing mode.
+        source: Where each iteration's samples come from.
+        engine: The built-in rollout engine (its chunks and lagging weight snapshots), or
+            None in dump mode.
+        iteration: Iterations done.
+        consumed_samples: Samples trained on so far.
+    """
+
+    args: argparse.Namespace
+    trainer: PolicyTrainer
+    source: Union[EmbeddedRollouts, DumpRollouts]
+    engine: Optional[RolloutEngine]
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> TrainingRun:
+    """Builds the policy, the optimizer, the trainer and the rollout source (the engine, or the dump).
+
+    In dump mode the dump is checked first, before anything is built.
+    """
+    args = complete_args(args)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    global_batch = args.global_batch_size or args.micro_batch_size * dp_size
+    per_rank = global_batch // dp_size  # whole microbatches and groups: run_checks.world_problems
+    source = DumpRollouts(args, global_batch, log) if args.rollout_dump is not None else None
+    try:
+        config = transformer_config(args, device)
+        chunks = build_model(args, config, device)
+        spec = RoutingSpec.from_config(config)
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config), args.seq_length,
+                         args.micro_batch_size, device)
+        stack = build_training_stack(chunks, config, args)
+        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings(
+            replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
+            temperature=args.rollout_temperature, filler_routes=args.filler_routes),
+            PhaseTimer(device, args.count_host_syncs))
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    if source is not None:
+        return TrainingRun(args, trainer, source, None)
+    # Built after the policy, so that the policy's initialisation does not depend on the mode.
+    engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
+    engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
+                           SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
+                           args.rollout_staleness)
+    return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
+
+
+def check_outputs(
+    args: argparse.Namespace, log: Callable[[str], None] = print
+) -> tuple[Optional[tuple[str, int]], str]:
+    """What the run will write and read, checked on every rank before anything is built.
+
+    ``--save`` must be writable on every rank (a probe file is created and removed);
+    ``--load`` must name a checkpoint (a run directory or one ``iter_NNNNNNN`` folder in
+    it) unless ``--load-optional``; an existing ``--metrics-file`` is only written by the
+    run it belongs to (a resumed run, a torchrun restart of the run that created it), or
+    with ``--append-metrics-file`` / ``--overwrite-metrics-file``.
+
+    Returns:
+        The checkpoint to resume from (``(run directory, iteration)``, or None) and the
+        :class:`~megatron_r3.rl.train_metrics.MetricsFile` mode.
+
+    Raises:
+        RunCheckError: on every rank, naming the flag, the path and the rank.
+    """
+    rank = dist.get_rank()
+    if args.save is not None:
+        problem = save_directory_problem(args.save)
+        raise_on_any_rank(None if problem is None else f"--save {args.save} is not writable on rank {rank}: {problem}")
+    checkpoint, problem = None, None
+    if args.load is not None:
+        try:
+            checkpoint = find_checkpoint(args.load)
+        except FileNotFoundError as error:
+            if args.load_optional:
+                log(f" {error}: starting from scratch (--load-optional)")
+            else:
+                problem = f"--load: {error}; pass --load-optional to start from scratch when there is none"
+        except ValueError as error:
+            problem = f"--load: {error}"
+    raise_on_any_rank(problem)
+    mode, problem = "new", None
+    if args.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
+        mode, why = metrics_file_mode(os.path.exists(args.metrics_file), checkpoint is not None,
+                                      args.append_metrics_file, args.overwrite_metrics_file,
+                                      noted_by_an_earlier_attempt(args.metrics_file))
+        problem = None if why is None else f"--metrics-file {args.metrics_file} {why}"
+        try:
+            check_output(args.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
+        except OutputFileError as error:
+            problem = problem or str(error)
+    raise_on_any_rank(problem)
+    return checkpoint, mode
+
+
+def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
+    """Every set of model chunks a checkpoint holds: the policy, and the engine's lagging weights."""
+    models = {"model": run.trainer.stack.chunks}
+    if run.engine is not None:
+        lag = run.engine.weights
+        models["rollout"] = lag.follower
+        models.update({f"rollout_lag{i}": chunks for i, chunks in enumerate(lag.snapshots)})
+    return models
+
+
+def save(run: TrainingRun) -> None:
+    """Saves the run at its current iteration to ``--save``."""
+    state = {"consumed_samples": run.consumed_samples, "args": vars(run.args)}
+    if run.engine is not None:
+        state["rollout_weight_advances"] = run.engine.weights.advances
+    stack = run.trainer.stack
+    save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), stack.optimizer, state, stack.scheduler)
+
+
+def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callable[[str], None] = print) -> None:
+    """Loads ``checkpoint`` (``(run directory, iteration)`` from :func:`check_outputs`) into the run.
+
+    Weights and optimizer state load under any parallel layout (dist_checkpointing);
+    per-rank RNG states only under the layout they were saved with.
+    """
+    if checkpoint is None:
+        return
+    directory, iteration = checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
+        stack = run.trainer.stack
+        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), stack.optimizer, iteration,
+                                               stack.scheduler)
+    run.consumed_samples = state["consumed_samples"]
+    run.source.resume(run.consumed_samples)
+    if run.engine is not None:
+        run.engine.weights.advances = state["rollout_weight_advances"]
+    log(f" resumed from {directory} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
+
+
+def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics_mode: str = "new") -> list[dict]:
+    """Runs iterations ``run.iteration + 1`` to ``--train-iters``, logging every ``--log-interval``.
+
+    Args:
+        run: The run, at the iteration it continues from.
+        log: Where the logging rank prints.
+        metrics_mode: How ``--metrics-file`` is opened (:func:`check_outputs`).
+
+    Returns:
+        The metrics of every iteration run (the same on every rank).
+
+    Raises:
+        NonFiniteStepError: on every rank, naming the iteration whose loss or gradients are not
+            finite; its optimizer step was not taken, and it saved nothing.
+    """
+    args = run.args
+    moe_layers = run.trainer.spec.moe_layer_numbers
+    logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
+    if logging_rank and args.metrics_file is not None:
+        note_metrics_file(args.metrics_file)
+    history, window_tokens, first = [], 0, run.iteration
+    start = window_start = time.perf_counter()
+    try:
+        while run.iteration < args.train_iters:
+            iteration = run.iteration + 1
+            timer = run.trainer.timer
+            timer.reset()
+            with timer.phase("rollout"):
+                if run.engine is not None:  # the policy's weights of --rollout-staleness steps ago
+                    run.engine.weights.advance()
+                batch = run.source.batch(iteration)
+            try:
+                sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
+            except NonFiniteStepError as error:
+                raise NonFiniteStepError(f"iteration {iteration}: {error}") from None
+            run.iteration = iteration
+            run.consumed_samples += int(sums["samples"][0])
+            window_tokens += int(sums["tokens"][0])
+            now = time.perf_counter()
+            elapsed = now - start
+            metrics = iteration_metrics(
+                sums, moe_layers, iteration=iteration, consumed_samples=run.consumed_samples,
+                tokens_per_s=window_tokens / max(now - window_start, 1e-9), elapsed_s=elapsed,
+                eta_s=elapsed / (iteration - first) * (args.train_iters - iteration), seconds=timer.seconds,
+                host_syncs=timer.host_syncs if timer.count_host_syncs else None)
+            history.append(metrics)
+            if iteration % args.log_interval == 0:
+                window_tokens, window_start = 0, now
+                if logging_rank:
+                    log(progress_line(metrics, args.train_iters, timers=args.timing_log_level >= 1))
+                    metrics_file.write(metrics)
+            if args.save and (iteration == args.train_iters
+                              or (args.save_interval and iteration % args.save_interval == 0)):
+                save(run)
+                if logging_rank:
+                    log(f" saved checkpoint at iteration {iteration} to {args.save}")
+    finally:
+        metrics_file.close()
+    return history
+
+
+def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
+    """:func:`check_outputs`, :func:`setup`, :func:`resume`, then :func:`run_iterations`; returns every iteration's
+    metrics. Everything that can be checked is checked before the first iteration."""
+    rank_log = log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None
+    checkpoint, metrics_mode = check_outputs(args, rank_log)
+    run = setup(args, device, rank_log)
+    try:
+        resume(run, checkpoint, rank_log)
+        if isinstance(run.source, DumpRollouts):
+            run.source.check_microbatches(run.args, run.iteration, run.trainer.rows.rank.alignment)
+        return run_iterations(run, log, metrics_mode)
+    finally:
+        run.source.close()

@@ -1,0 +1,263 @@
+"""What ``launch/pretrain_gpt_r3.py`` checks before its first iteration: bad input fails at once, in one line.
+
+* :func:`value_problems` and :func:`relation_problems`: the flags' arithmetic
+  (sizes and intervals > 0, finite rates, divisibility, top-k within the experts,
+  the pipeline split, the row length), each problem one line naming the flags and
+  their values; :func:`world_problems` the same for what needs the world size
+  (parallel sizes, batch sizes).
+* :func:`raise_on_any_rank`: a problem some ranks find (a folder one cannot
+  write, a record of its share of the dump) stops every rank with the same
+  message, instead of leaving the others waiting in a collective.
+* :func:`metrics_file_mode`: how an existing ``--metrics-file`` may be written.
+* :func:`check_dump_records`: every record of a rollout dump read once before
+  training, in one streaming pass that the ranks split between them.
+* :func:`microbatch_problem`: every microbatch the run will pack from a dump fits
+  one ``--seq-length`` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_records
+from megatron_r3.layers.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
+
+
+class RunCheckError(ValueError):
+    """A run that cannot go on: the message names the flags, files or records."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def value_problems(args: argparse.Namespace) -> list[str]:
+    """Flags out of their range (sizes and intervals < 1, rates not finite or negative), one line each.
+
+    Checked first: the defaults that depend on other flags, and :func:`relation_problems`,
+    divide by these.
+    """
+    problems = []
+    at_least_one = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_experts",
+                    "moe_router_topk", "moe_ffn_hidden_size", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                    "recompute_num_layers", "micro_batch_size", "train_iters", "log_interval", "rollouts_per_prompt",
+                    "task_min_symbols", "task_max_symbols",
+                    # None where a default follows from other flags or the feature is off.
+                    "num_query_groups", "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers", "vocab_size", "max_position_embeddings", "global_batch_size",
+                    "seq_length", "save_interval", "max_new_tokens")
+    for name in at_least_one:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            problems.append(f"{_flag(name)} must be >= 1, got {value}")
+    for name in ("rollout_staleness", "seed"):
+        if getattr(args, name) < 0:
+            problems.append(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+    for name, low in (("lr", 0.0), ("weight_decay", 0.0), ("init_method_std", None), ("rollout_temperature", None),
+                      ("clip_ratio", None)):
+        value = getattr(args, name)
+        if not math.isfinite(value) or (value < low if low is not None else value <= 0):
+            problems.append(f"{_flag(name)} must be a finite number {'>= 0' if low is not None else '> 0'}, "
+                            f"got {value}")
+    if args.task_min_symbols > args.task_max_symbols:  # the task's defaults are derived from both
+        problems.append(f"--task-min-symbols {args.task_min_symbols} is larger than --task-max-symbols "
+                        f"{args.task_max_symbols}")
+    if args.task_num_symbols < 2:
+        problems.append(f"--task-num-symbols must be >= 2, got {args.task_num_symbols}")
+    return problems
+
+
+def relation_problems(args: argparse.Namespace) -> list[str]:
+    """Flags that do not fit together (divisibility, top-k, pipeline split, row length), one line each.
+
+    For flags that passed :func:`value_problems`, with their defaults filled in.
+    """
+    problems = []
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.moe_router_topk > args.num_experts:
+        problems.append(f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts {args.num_experts}")
+    if args.num_experts % ep:
+        problems.append(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    if args.hidden_size % args.num_attention_heads:
+        problems.append(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                        f"{args.num_attention_heads}")
+    groups = args.num_query_groups or args.num_attention_heads
+    if args.num_attention_heads % groups:
+        problems.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
+                        f"{groups}")
+    for name in ("num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size", "vocab_size"):
+        if getattr(args, name) is not None and getattr(args, name) % tp:
+            problems.append(f"{_flag(name)} {getattr(args, name)} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if groups % tp:
+        problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    try:
+        moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
+    except ValueError as error:
+        problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --num-layers {args.num_layers}: {error}")
+    problems += _pipeline_problems(args)
+    if args.seq_length is not None:
+        cp = args.context_parallel_size
+        alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+        if args.seq_length % alignment:
+            problems.append(f"--seq-length {args.seq_length} is not a multiple of {alignment} (2 x "
+                            f"--context-parallel-size {cp} when > 1, times --tensor-model-parallel-size {tp} with "
+                            f"--sequence-parallel)")
+        if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+            problems.append(f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length "
+                            f"{args.seq_length}")
+    return problems
+
+
+def _pipeline_problems(args: argparse.Namespace) -> list[str]:
+    pp, vp = args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if pp == 1 and (vp is not None or first is not None or last is not None):
+        return ["--num-virtual-stages-per-pipeline-rank and --decoder-first/last-pipeline-num-layers need "
+                "--pipeline-model-parallel-size > 1"]
+    split = PipelineSplit(args.num_layers, pp, vp, first, last)
+    try:
+        for rank in range(pp):
+            for stage in range(vp) if vp else [None]:
+                split.layer_range(rank, stage)
+    except ValueError as error:
+        flags = [f"--num-layers {args.num_layers}", f"--pipeline-model-parallel-size {pp}"]
+        for name, value in (("num_virtual_stages_per_pipeline_rank", vp), ("decoder_first_pipeline_num_layers", first),
+                            ("decoder_last_pipeline_num_layers", last)):
+            if value is not None:
+                flags.append(f"{_flag(name)} {value}")
+        return [f"{', '.join(flags)}: {error}"]
+    return []
+
+
+def world_problems(args: argparse.Namespace, world_size: int) -> list[str]:
+    """Problems of the flags with ``world_size`` ranks: parallel sizes, data-parallel batch sizes."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    ep = args.expert_model_parallel_size
+    problems = []
+    if world_size % (tp * pp * cp):
+        return [f"{world_size} ranks do not divide into --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"]
+    if world_size % (tp * ep * pp):
+        problems.append(f"{world_size} ranks do not divide into --tensor-model-parallel-size {tp} x "
+                        f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {tp * ep * pp}")
+    dp = world_size // (tp * pp * cp)
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        problems.append(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
+                        f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}")
+    elif (global_batch // dp) % args.rollouts_per_prompt:
+        problems.append(f"each data-parallel rank's {global_batch // dp} samples (--global-batch-size {global_batch} "
+                        f"/ data-parallel size {dp}) are not whole groups of --rollouts-per-prompt "
+                        f"{args.rollouts_per_prompt}")
+    return problems
+
+
+def raise_on_any_rank(problem: Optional[str]) -> None:
+    """Raises :class:`RunCheckError` on every rank when any rank has a problem (call it on every rank).
+
+    The message is the first failing rank's; it names the other failing ranks.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    _raise_first(gathered)
+
+
+def _raise_first(problems: Sequence[Optional[str]]) -> None:
+    failed = [rank for rank, p in enumerate(problems) if p is not None]
+    if failed:
+        also = f" (and on ranks {failed[1:]})" if len(failed) > 1 else ""
+        raise RunCheckError(f"{problems[failed[0]]}{also}")
+
+
+def metrics_file_mode(exists: bool, resumed: bool, append: bool, overwrite: bool,
+                      written_by_this_run: bool) -> tuple[str, Optional[str]]:
+    """How a run writes its ``--metrics-file``: a :class:`~megatron_r3.rl.train_metrics.MetricsFile` mode, or a problem.
+
+    Args:
+        exists: The file exists.
+        resumed: The run continues from a checkpoint (the file's lines up to it are its own).
+        append, overwrite: ``--append-metrics-file``, ``--overwrite-metrics-file``.
+        written_by_this_run: An earlier attempt of this run (a torchrun restart) created the file.
+
+    Returns:
+        ``(mode, problem)``: problem is set (and mode meaningless) when the file belongs to
+        another run and neither flag says what to do with it.
+    """
+    if append:
+        return "append", None
+    if overwrite:
+        return "overwrite", None
+    if resumed or written_by_this_run:
+        return "resume", None
+    if exists:
+        return "new", ("exists and this run starts from scratch, so it belongs to another run: pass "
+                       "--append-metrics-file or --overwrite-metrics-file, or choose another file")
+    return "new", None
+
+
+def check_dump_records(reader: RolloutDumpReader) -> str:
+    """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
+
+    Every record's CRC, routes, log-probs and loss fields are checked
+    (:func:`~megatron_r3.dataplane.rollout_dump.check_records`), one record in memory at a time.
+    Call it on every rank.
+
+    Returns:
+        ``"advantage"`` when every sample has one, else ``"reward"`` when every sample has one.
+
+    Raises:
+        RunCheckError: on every rank, naming the first bad record, a record with neither
+            field, or a dump whose samples mix them.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    count = len(reader)
+    problem, missing = None, {}
+    try:
+        missing = check_records(reader, rank * count // world, (rank + 1) * count // world, require_loss_field=True)
+    except ValueError as error:  # RolloutDumpError, RoutingValidationError, SampleValueError
+        problem = f"rollout dump {reader.name}: {error}"
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (problem, missing))
+    _raise_first([p for p, _ in gathered])
+    first = {key: min((m[key] for _, m in gathered if m[key] is not None), default=None) for key in missing}
+    if first["advantage"] is None:
+        return "advantage"
+    if first["reward"] is None:
+        return "reward"
+    raise RunCheckError(f"rollout dump {reader.name}: record {first['reward']} has no 'reward' and record "
+                        f"{first['advantage']} no 'advantage': the loss takes every sample's advantage, or "
+                        f"normalises every sample's reward")
+
+
+def microbatch_problem(num_tokens: Sequence[int], *, consumed_samples: int, iterations: int, global_batch: int,
+                       micro_batch_size: int, alignment: int, seq_length: int, first_iteration: int) -> Optional[str]:
+    """The first microbatch of the next ``iterations`` that does not fit one ``seq_length`` row, or None.
+
+    Sample position ``p`` is record ``p % N`` (the dump read cyclically); microbatches are
+    consecutive runs of ``micro_batch_size`` positions from ``consumed_samples`` on, each
+    sample padded to a multiple of ``alignment``. The pattern repeats after
+    ``N / gcd(N, micro_batch_size)`` microbatches, so at most that many are checked.
+    """
+    lens = np.asarray(num_tokens, dtype=np.int64)
+    count = len(lens)
+    total = iterations * global_batch // micro_batch_size
+    checked = min(total, count // math.gcd(count, micro_batch_size))
+    positions = consumed_samples + np.arange(checked * micro_batch_size, dtype=np.int64)
+    padded = -(-lens[positions % count] // alignment) * alignment
+    needed = padded.reshape(checked, micro_batch_size).sum(axis=1)
+    too_long = np.flatnonzero(needed > seq_length)
+    if not len(too_long):
+        return None
+    k = int(too_long[0])
+    records = (positions[k * micro_batch_size:(k + 1) * micro_batch_size] % count).tolist()
+    iteration = first_iteration + k * micro_batch_size // global_batch
+    return (f"--seq-length {seq_length} is too short: iteration {iteration} packs records {records} of the dump "
+            f"({lens[records].tolist()} tokens) into one microbatch, which needs {int(needed[k])} positions once "
+            f"each sample is padded to a multiple of {alignment}; raise --seq-length or lower --micro-batch-size")
