@@ -12,6 +12,7 @@ from typing import Optional
 
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
+from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
 from megatron_r3.rl.run_checks import relation_problems, value_problems
 from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
@@ -123,6 +124,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="one more forward-only pass per iteration in the other routing mode, to report the "
                          "mismatch with and without replay (default: on without --rollout-dump)")
     add_training_stack_args(parser)
+    add_profiling_args(parser)
     add_routing_replay_args(parser)
     args = parser.parse_args(argv)
     if args.r3_compare is None:
@@ -142,7 +144,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except ValueError as error:
             problems = [str(error)]
         else:
-            problems = relation_problems(args) + training_stack_problems(args)
+            problems = relation_problems(args) + training_stack_problems(args) + profiling_problems(args)
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args

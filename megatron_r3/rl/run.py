@@ -35,6 +35,7 @@ from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_att
 from megatron_r3.rl.model_factory import build_model, transformer_config
 from megatron_r3.rl.phase_timer import PhaseTimer
 from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.profiling import IterationProfiler
 from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_checks import metrics_file_mode, raise_on_any_rank
@@ -209,6 +210,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
     metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
     if logging_rank and args.metrics_file is not None:
         note_metrics_file(args.metrics_file)
+    profiler = IterationProfiler(args, dist.get_rank(), log)
     history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:
@@ -216,6 +218,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
             iteration = run.iteration + 1
             timer = run.trainer.timer
             timer.reset()
+            profiler.before(iteration)
             with timer.phase("rollout"):
                 if run.engine is not None:  # the policy's weights of --rollout-staleness steps ago
                     run.engine.weights.advance()
@@ -224,6 +227,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
                 sums = run.trainer.step(batch.samples, batch.advantages, batch.rewards)
             except NonFiniteStepError as error:
                 raise NonFiniteStepError(f"iteration {iteration}: {error}") from None
+            profiler.after(iteration)
             run.iteration = iteration
             run.consumed_samples += int(sums["samples"][0])
             window_tokens += int(sums["tokens"][0])
