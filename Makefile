@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
-	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs); build/bench/"
+	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's; build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM   apply patches/ to your checkout"
 
@@ -26,11 +26,13 @@ test: $(VPY)
 	$(VPY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Packing kernel, then the trainer's update pass on rollout-shaped data (the loop benchmark) and on
-# full rows, on one GPU and, with two or more, at EP=2 under torchrun.
+# full rows, on one GPU and, with two or more, at EP=2 under torchrun; then the update pass and optimizer
+# step on Megatron's training stack against the loop's old one.
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)
 	$(VPY) -m bench.step --data rollout --out build/bench/loop-ep1.md
 	$(VPY) -m bench.step --data full --out build/bench/step-ep1.md
+	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md && \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data full --out build/bench/step-ep2.md; fi

@@ -21,11 +21,10 @@ order than any reference would, and clipping multiplies every gradient by it.
 import math
 
 import pytest
-import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from tests.support.launcher import run_workers
+from tests.support.reference_stack import OldLoopStack
 from tests.test_launch import DUMP_FLAGS, write_dump
 from tests.test_launch import LAYOUTS as DUMP_LAYOUTS
 
@@ -42,47 +41,6 @@ STACKS = {
 }
 
 
-class _AdamW:
-    """The old loop's optimizer, behind the interface the trainer uses."""
-
-    def __init__(self, params, args):
-        self.adam = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_eps, weight_decay=args.weight_decay)
-        self.param_groups = [{"default_config": True, "lr": args.lr}]
-
-    def step(self):
-        self.adam.step()
-        return True, math.nan, None
-
-
-class _TodaysStack:
-    """The old loop: the chunks unwrapped, AdamW, gradients all-reduced per parameter."""
-
-    def __init__(self, chunks, config, args):
-        self.model = self.chunks = list(chunks)
-        self.optimizer = _AdamW([p for c in chunks for p in c.parameters()], args)
-        self.scheduler = self  # a constant rate: nothing to step
-        config.finalize_model_grads_func = self._finalize
-
-    def step(self, increment):
-        pass
-
-    def zero_grad(self):
-        self.optimizer.adam.zero_grad(set_to_none=True)
-
-    @staticmethod
-    def _finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
-        dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        for chunk in model:
-            for param in chunk.parameters():
-                if param.grad is None:  # an expert no token reached
-                    param.grad = torch.zeros_like(param)
-                expert = not getattr(param, "allreduce", True)
-                dist.all_reduce(param.grad, group=parallel_state.get_expert_data_parallel_group() if expert else
-                                parallel_state.get_data_parallel_group(with_context_parallel=True))
-                param.grad.mul_(1.0 / num_tokens)
-
-
 def loops_worker(argv, stacks):
     """The launcher's loop once per entry of ``stacks`` (``"reference"``: on the old loop's stack), in this process."""
     from megatron_r3.rl import run as rl_run
@@ -92,7 +50,7 @@ def loops_worker(argv, stacks):
     build = rl_run.build_training_stack
     histories = {}
     for name, flags in stacks.items():
-        rl_run.build_training_stack = _TodaysStack if name == "reference" else build
+        rl_run.build_training_stack = OldLoopStack if name == "reference" else build
         args = parse_args(argv + flags)
         device = initialize(args)
         try:
