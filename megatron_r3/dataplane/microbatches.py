@@ -29,7 +29,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_r3.dataplane.filler_routes import first_dead_position
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.context_parallel import thd_zigzag_index
+from megatron_r3.layers.context_parallel import zigzag_placement
 from megatron_r3.layers.moe_layers import PipelineSplit
 
 
@@ -119,7 +119,7 @@ def pack_rollout_microbatch(
 
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
     cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
-    index, _, position = thd_zigzag_index(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
+    index, _, position = zigzag_placement(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
 
     def local(name):
         return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
