@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_r3.layers.core_attention import ContextParallelDotProductAttention
+from megatron_r3.layers.moe_layers import moe_layer_pattern
 from megatron_r3.layers.norm import SequenceParallelNorm
 
 
@@ -96,26 +97,6 @@ def get_gpt_layer_r3_spec(
     )
 
 
-def moe_layer_pattern(config: TransformerConfig) -> list[int]:
-    """Which layers are MoE (1) and which dense (0), from ``config.moe_layer_freq``.
-
-    An int ``N`` makes every N-th layer (0, N, 2N, ...) a MoE layer; a list gives
-    the pattern layer by layer. Without ``num_moe_experts`` every layer is dense.
-    """
-    if config.num_moe_experts is None:
-        return [0] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [int(i % freq == 0) for i in range(config.num_layers)]
-    pattern = list(freq)
-    if len(pattern) != config.num_layers or set(pattern) - {0, 1}:
-        raise ValueError(
-            f"moe_layer_freq must list 0 or 1 for each of the {config.num_layers} layers, "
-            f"got {freq}"
-        )
-    return pattern
-
-
 def get_gpt_decoder_block_r3_spec(
     config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
 ) -> TransformerBlockSubmodules:
@@ -143,7 +124,11 @@ def get_gpt_decoder_block_r3_spec(
         moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm,
     )
-    layer_specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
+    if config.num_moe_experts is None:
+        pattern = [False] * config.num_layers
+    else:
+        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    layer_specs = [moe if is_moe else dense for is_moe in pattern]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
