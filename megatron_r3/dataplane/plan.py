@@ -28,14 +28,17 @@ Token placement matches Megatron:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from megatron_r3.dataplane.routes import layer_index as _layer_index
 from megatron_r3.layers.context_parallel import zigzag_placement
-from megatron_r3.layers.moe_layers import PipelineSplit, chunk_moe_layer_numbers
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class RoutingPlan:
         sample_lens: Sequence[int],
         *,
         source_layer_numbers: Sequence[int],
-        split: Optional[PipelineSplit] = None,
+        config: Optional[TransformerConfig] = None,
         layer_numbers: Optional[Sequence[int]] = None,
         qkv_format: str = "bshd",
         seq_len: Optional[int] = None,
@@ -239,18 +242,20 @@ class RoutingPlan:
             sample_lens: Token count of each sample in the microbatch, in batch (BSHD)
                 or packing (THD) order.
             source_layer_numbers: MoE layer numbers of the routes (``RolloutRoutes.layer_numbers``).
-            split: The model's pipeline split; with it the chunk's layers are the
-                source layers that ``(rank.pp_rank, rank.vp_stage)`` builds.
-            layer_numbers: The chunk's MoE layer numbers, given directly instead of ``split``.
+            config: The model's ``TransformerConfig``; with it the chunk's layers are the
+                source layers that chunk ``(rank.pp_rank, rank.vp_stage)`` builds
+                (:func:`~megatron_r3.layers.moe_layers.chunk_layers`).
+            layer_numbers: The chunk's MoE layer numbers, given directly instead of ``config``.
             qkv_format: ``"bshd"`` (``[b, seq_len]`` rows) or ``"thd"`` (packed, b = 1).
             seq_len: BSHD padded sequence length (default: the longest sample,
                 rounded up to ``rank.alignment``).
             padded_lens: THD per-sequence padded lengths (``diff(cu_seqlens_padded)``).
         """
-        if (split is None) == (layer_numbers is None):
-            raise ValueError("give exactly one of split= and layer_numbers=")
+        if (config is None) == (layer_numbers is None):
+            raise ValueError("give exactly one of config= and layer_numbers=")
         if layer_numbers is None:
-            layer_numbers = chunk_moe_layer_numbers(source_layer_numbers, split, rank.pp_rank, rank.vp_stage)
+            built = chunk_layers(config, rank.pp_rank, rank.vp_stage)
+            layer_numbers = [n for n in source_layer_numbers if n in built]
         if qkv_format == "bshd":
             if padded_lens is not None:
                 raise ValueError("padded_lens is for THD; BSHD takes seq_len")
@@ -274,17 +279,15 @@ class RoutingPlan:
 
 
 def chunk_plans(
-    rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int], split: PipelineSplit,
-    **layout,
+    rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int],
+    config: TransformerConfig, **layout,
 ) -> list[RoutingPlan]:
     """One plan per model chunk of ``rank.pp_rank``, in ``vp_stage`` order (one chunk without VP).
 
     ``layout`` takes :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
     """
-    vp = split.virtual_pipeline_model_parallel_size
-    stages = range(vp) if vp is not None and split.pipeline_model_parallel_size > 1 else [None]
     return [
         RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens, source_layer_numbers=source_layer_numbers,
-                          split=split, **layout)
-        for stage in stages
+                          config=config, **layout)
+        for stage in chunk_vp_stages(config)
     ]

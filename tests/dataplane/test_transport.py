@@ -11,10 +11,10 @@ from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import concat_routes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.transport import RouteUploader
-from megatron_r3.layers.moe_layers import PipelineSplit
+from tests.support.pipeline import pipeline_config
 
 SPEC = RoutingSpec(num_layers=8, moe_layer_numbers=(2, 3, 4, 6, 7, 8), num_experts=128, topk=8)
-SPLIT = PipelineSplit(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+CONFIG = pipeline_config(8, pp=2, vp=2)
 
 
 def microbatch(rng, lens, spec=SPEC):
@@ -29,7 +29,7 @@ def microbatch(rng, lens, spec=SPEC):
 def chunk_plans(lens, rank_kw, qkv_format="thd"):
     return [
         RoutingPlan.build(RankLayout(pp_rank=1, vp_stage=vp, **rank_kw), lens,
-                          source_layer_numbers=SPEC.moe_layer_numbers, split=SPLIT, qkv_format=qkv_format)
+                          source_layer_numbers=SPEC.moe_layer_numbers, config=CONFIG, qkv_format=qkv_format)
         for vp in range(2)
     ]
 
