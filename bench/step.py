@@ -64,7 +64,7 @@ from megatron_r3.rl import arguments, model_factory
 from megatron_r3.rl.host_syncs import counted_host_syncs
 from megatron_r3.rl.model_pass import run_pass
 from megatron_r3.rl.policy_trainer import PolicyUpdateSettings, PolicyLoss
-from megatron_r3.routing_replay import moe_layer_numbers
+from megatron_r3.routing_replay import chunk_moe_layers
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
 ROLLOUT_VARIANTS = VARIANTS + ("replay-live-tail",)
@@ -212,7 +212,7 @@ def main(argv=None):
     device = initialize(args)
     rank = dist.get_rank()
     model, config = build_model(args, device)
-    samples = make_samples(args, tuple(moe_layer_numbers(model)), seed=100 + rank)
+    samples = make_samples(args, tuple(chunk_moe_layers(model)), seed=100 + rank)
     update_pass = UpdatePass(args, model, config, device, samples)
     variants = ROLLOUT_VARIANTS if args.data == "rollout" else VARIANTS
     on_gpu = device.type == "cuda"

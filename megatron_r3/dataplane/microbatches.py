@@ -181,7 +181,10 @@ class RowLayout:
         """Model chunks on this rank (virtual pipeline stages)."""
         return len(chunk_vp_stages(self.config))
 
-    def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
-        """The routing plan of each of this rank's model chunks for ``batch``."""
-        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=moe_layer_numbers, config=self.config,
-                           qkv_format="thd", padded_lens=batch.padded_lens)
+    def plans(self, batch: RolloutMicrobatch, source_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
+        """The routing plan of each of this rank's model chunks for ``batch``.
+
+        ``source_layer_numbers`` are the MoE layers the batch's routes hold (``RolloutRoutes.layer_numbers``).
+        """
+        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=source_layer_numbers,
+                           config=self.config, qkv_format="thd", padded_lens=batch.padded_lens)

@@ -9,7 +9,7 @@ chunk builds is Megatron's own answer (``get_transformer_layer_offset``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -49,8 +49,8 @@ def parse_moe_layer_freq(text: str) -> Union[int, list[int]]:
         raise ValueError(f"--moe-layer-freq must be an int or comma-separated 0/1 per layer, got {text!r}") from None
 
 
-def moe_layer_numbers(num_layers: int, moe_layer_freq: Union[int, Sequence[int]]) -> tuple[int, ...]:
-    """Global 1-based layer numbers of the MoE layers, increasing."""
+def model_moe_layers(num_layers: int, moe_layer_freq: Union[int, Sequence[int]]) -> tuple[int, ...]:
+    """The model's MoE layers: global 1-based layer numbers, increasing (MTP layers excluded)."""
     return tuple(i + 1 for i, is_moe in enumerate(moe_layer_pattern(num_layers, moe_layer_freq)) if is_moe)
 
 
@@ -94,7 +94,3 @@ def chunk_vp_stages(config: TransformerConfig) -> list[Optional[int]]:
     vp = config.virtual_pipeline_model_parallel_size
     return list(range(vp)) if vp is not None and config.pipeline_model_parallel_size > 1 else [None]
 
-
-def config_moe_layer_numbers(config: Any) -> tuple[int, ...]:
-    """All MoE layer numbers of a Megatron ``TransformerConfig`` (MTP layers excluded)."""
-    return moe_layer_numbers(config.num_layers, config.moe_layer_freq)

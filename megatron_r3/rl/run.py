@@ -203,7 +203,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
             finite; its optimizer step was not taken, and it saved nothing.
     """
     args = run.args
-    moe_layers = run.trainer.spec.moe_layer_numbers
+    moe_layers = run.trainer.spec.model_moe_layers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
     metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
     if logging_rank and args.metrics_file is not None:

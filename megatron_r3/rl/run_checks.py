@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_records
-from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
 
 
 class RunCheckError(ValueError):
@@ -100,7 +100,7 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     if groups % tp:
         problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
     try:
-        moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
+        model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
     except ValueError as error:
         problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --num-layers {args.num_layers}: {error}")
     problems += _pipeline_problems(args)

@@ -2,14 +2,14 @@
 
 import pytest
 
-from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, moe_layer_numbers, moe_layer_pattern
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, moe_layer_pattern
 from tests.support.pipeline import pipeline_config
 
 
 def test_moe_layer_freq_int_and_list():
-    assert moe_layer_numbers(6, 1) == (1, 2, 3, 4, 5, 6)
-    assert moe_layer_numbers(6, 2) == (1, 3, 5)  # layer index 0 is MoE, like Megatron's specs
-    assert moe_layer_numbers(5, [0, 0, 1, 1, 1]) == (3, 4, 5)  # dense-first
+    assert model_moe_layers(6, 1) == (1, 2, 3, 4, 5, 6)
+    assert model_moe_layers(6, 2) == (1, 3, 5)  # layer index 0 is MoE, like Megatron's specs
+    assert model_moe_layers(5, [0, 0, 1, 1, 1]) == (3, 4, 5)  # dense-first
     with pytest.raises(ValueError):
         moe_layer_pattern(4, [1, 1, 1])
     with pytest.raises(ValueError):
