@@ -60,12 +60,11 @@ from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import PipelineSplit
 from megatron_r3.rl import arguments, model_factory
 from megatron_r3.rl.host_syncs import counted_host_syncs
 from megatron_r3.rl.model_pass import run_pass
 from megatron_r3.rl.policy_trainer import PolicyUpdateSettings, PolicyLoss
-from megatron_r3.routing_replay import moe_layer_numbers
+from megatron_r3.routing_replay import chunk_moe_layers
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
 ROLLOUT_VARIANTS = VARIANTS + ("replay-live-tail",)
@@ -155,7 +154,7 @@ class UpdatePass:
     def __init__(self, args, model, config, device, samples):
         self.model, self.config, self.samples = model, config, samples
         spec = RoutingSpec.from_config(config)
-        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config),
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config,
                          args.seq_length, args.micro_batch_size, device)
         exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                        args.num_experts)
@@ -213,7 +212,7 @@ def main(argv=None):
     device = initialize(args)
     rank = dist.get_rank()
     model, config = build_model(args, device)
-    samples = make_samples(args, tuple(moe_layer_numbers(model)), seed=100 + rank)
+    samples = make_samples(args, tuple(chunk_moe_layers(model)), seed=100 + rank)
     update_pass = UpdatePass(args, model, config, device, samples)
     variants = ROLLOUT_VARIANTS if args.data == "rollout" else VARIANTS
     on_gpu = device.type == "cuda"

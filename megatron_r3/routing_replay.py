@@ -27,7 +27,7 @@ __all__ = [
     "NO_ROUTE",
     "MoERouting",
     "add_routing_replay_args",
-    "moe_layer_numbers",
+    "chunk_moe_layers",
     "moe_routing_for_chunk",
     "routing_replay_config_kwargs",
 ]
@@ -43,8 +43,8 @@ def _gpt_model(model_chunk):
     return module
 
 
-def moe_layer_numbers(model_chunk) -> list:
-    """Global 1-based layer numbers of the MoE layers a model chunk builds, increasing."""
+def chunk_moe_layers(model_chunk) -> list:
+    """The MoE layers a model chunk builds: global 1-based layer numbers, increasing."""
     return _gpt_model(model_chunk).decoder.moe_layer_numbers
 
 
@@ -75,23 +75,23 @@ def moe_routing_for_chunk(
         keep_live_routes: also keep what the routers' own top-k chose
             (``live_expert_ids()``, for agreement metrics; costs a live top-k per layer).
     """
-    chunk_layers = moe_layer_numbers(model_chunk)
+    moe_layers = chunk_moe_layers(model_chunk)
     if expert_ids is not None and layer_numbers is not None:
         layer_numbers = [int(n) for n in layer_numbers]
-        if layer_numbers != chunk_layers:
-            missing = sorted(set(chunk_layers) - set(layer_numbers))
+        if layer_numbers != moe_layers:
+            missing = sorted(set(moe_layers) - set(layer_numbers))
             if missing:
                 raise ValueError(
                     f"routes cover MoE layers {layer_numbers}; this chunk also needs {missing}"
                 )
-            rows = [layer_numbers.index(n) for n in chunk_layers]
+            rows = [layer_numbers.index(n) for n in moe_layers]
             expert_ids = expert_ids.index_select(
                 0, torch.tensor(rows, dtype=torch.long, device=expert_ids.device)
             )
             if host_tokens_per_expert is not None:
                 host_tokens_per_expert = host_tokens_per_expert[:, rows]
     return MoERouting(
-        layer_numbers=chunk_layers,
+        layer_numbers=moe_layers,
         expert_ids=expert_ids,
         every_token_routed=every_token_routed and expert_ids is not None,
         host_tokens_per_expert=host_tokens_per_expert,

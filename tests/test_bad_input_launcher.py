@@ -55,7 +55,14 @@ FLAG_CASES = [
      "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
     (["--moe-layer-freq", "0,1"], "--moe-layer-freq 0,1 with --num-layers 8: "),
     (["--num-layers", "7", "--pipeline-model-parallel-size", "2"],
-     "--num-layers 7, --pipeline-model-parallel-size 2: 7 layers do not divide over 2 pipeline stages"),
+     "--num-layers 7, --pipeline-model-parallel-size 2: num_layers=7 should be divisible by "
+     "config.pipeline_model_parallel_size=2"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "10"],
+     "--num-layers 8, --pipeline-model-parallel-size 2, --decoder-first-pipeline-num-layers 10: the pipeline chunks "
+     "would build [10, -2] layers, not each of the 8 layers once"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"],
+     "--num-layers 8, --pipeline-model-parallel-size 3, --decoder-first-pipeline-num-layers 3: number of layers at "
+     "middle stage: 5 must be divisible by"),
     (["--num-virtual-stages-per-pipeline-rank", "2"],
      "--num-virtual-stages-per-pipeline-rank and --decoder-first/last-pipeline-num-layers need "
      "--pipeline-model-parallel-size > 1"),

@@ -7,7 +7,7 @@ import torch
 
 from megatron_r3.routing_replay import (
     add_routing_replay_args,
-    moe_layer_numbers,
+    chunk_moe_layers,
     moe_routing_for_chunk,
     routing_replay_config_kwargs,
 )
@@ -29,8 +29,8 @@ class Wrapper(torch.nn.Module):
 
 
 def test_chunk_layers_through_wrappers(model):
-    assert moe_layer_numbers(model) == [2, 3, 4]
-    assert moe_layer_numbers(Wrapper(Wrapper(model))) == [2, 3, 4]
+    assert chunk_moe_layers(model) == [2, 3, 4]
+    assert chunk_moe_layers(Wrapper(Wrapper(model))) == [2, 3, 4]
 
 
 def test_routes_for_more_layers_are_cut_to_the_chunk(model):

@@ -92,7 +92,7 @@ from megatron_r3.dataplane.output_files import atomic_output
 from megatron_r3.dataplane.rollout_dump import RolloutDumpWriter
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
 
 
 class InputLineError(ValueError):
@@ -194,7 +194,7 @@ def dump_jsonl(
     counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0}
     with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
         with RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
-                               layer_numbers=spec.moe_layer_numbers) as writer:
+                               layer_numbers=spec.model_moe_layers) as writer:
             for number, record in _records(input_path):
                 try:
                     samples = read_line(record, spec, vocab_size)
@@ -340,9 +340,9 @@ def main(argv=None) -> int:
     if args.log_interval < 0:
         parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
     try:
-        spec = RoutingSpec(num_layers=args.num_layers,
-                           moe_layer_numbers=moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq)),
-                           num_experts=args.num_experts, topk=args.moe_router_topk)
+        moe_layers = model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
+        spec = RoutingSpec(num_layers=args.num_layers, model_moe_layers=moe_layers, num_experts=args.num_experts,
+                           topk=args.moe_router_topk)
     except ValueError as error:
         parser.error(str(error))
     try:

@@ -26,7 +26,7 @@ from megatron_r3.dataplane.output_files import atomic_output
 from megatron_r3.dataplane.rollout_dump import RolloutDumpWriter
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
 
 
 def write_synthetic_dump(
@@ -61,7 +61,7 @@ def write_synthetic_dump(
     if not 1 <= topk <= num_experts:
         raise ValueError(f"--moe-router-topk {topk} must lie in [1, --num-experts {num_experts}]")
     rng = np.random.default_rng(seed)
-    layers = moe_layer_numbers(num_layers, moe_layer_freq)
+    layers = model_moe_layers(num_layers, moe_layer_freq)
     with atomic_output(path, overwrite=overwrite) as partial, RolloutDumpWriter(
             partial, num_experts=num_experts, topk=topk, layer_numbers=layers) as writer:
         for _ in range(num_samples):

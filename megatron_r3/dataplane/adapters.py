@@ -72,7 +72,7 @@ def from_array(
     elif layers != "moe":
         raise ValueError(f"layers must be 'moe' or 'full', got {layers!r}")
     return RolloutRoutes.from_ids(
-        ids, num_experts=spec.num_experts, layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=valid,
+        ids, num_experts=spec.num_experts, layer_numbers=spec.model_moe_layers, topk=spec.topk, valid=valid,
         num_tokens=num_tokens, sample=sample,
     )
 
@@ -173,22 +173,22 @@ def from_megatron_recorded(
             naming sample, token and the first missing layer.
     """
     total = int(sum(sample_lens))
-    ids = torch.zeros((total, len(spec.moe_layer_numbers), spec.topk), dtype=_torch_id_dtype(spec.num_experts))
-    recorded = torch.zeros((total, len(spec.moe_layer_numbers)), dtype=torch.bool)  # per row: parts combine
+    ids = torch.zeros((total, len(spec.model_moe_layers), spec.topk), dtype=_torch_id_dtype(spec.num_experts))
+    recorded = torch.zeros((total, len(spec.model_moe_layers)), dtype=torch.bool)  # per row: parts combine
     for plan, expert_ids in parts:
-        if plan.num_source_tokens != total or plan.num_source_layers != len(spec.moe_layer_numbers):
+        if plan.num_source_tokens != total or plan.num_source_layers != len(spec.model_moe_layers):
             raise RoutingValidationError(
                 f"plan covers {plan.num_source_tokens} tokens x {plan.num_source_layers} layers, the "
-                f"microbatch has {total} x {len(spec.moe_layer_numbers)}"
+                f"microbatch has {total} x {len(spec.model_moe_layers)}"
             )
         scatter_routes(expert_ids.detach().cpu().contiguous(), torch.from_numpy(plan.token_index),
                        torch.from_numpy(plan.layer_index), ids, recorded)
     out, start = [], 0
     for i, length in enumerate(sample_lens):
-        valid = token_validity(recorded[start:start + length].numpy(), spec.moe_layer_numbers,
+        valid = token_validity(recorded[start:start + length].numpy(), spec.model_moe_layers,
                                "not recorded at this layer but at others (a part is missing)", i)
         out.append(RolloutRoutes.from_ids(ids[start:start + length].numpy(), num_experts=spec.num_experts,
-                                          layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=valid,
+                                          layer_numbers=spec.model_moe_layers, topk=spec.topk, valid=valid,
                                           sample=i))
         start += length
     return out
@@ -226,7 +226,7 @@ def _from_engine_rows(
         valid[:-1] = (moe != 0).any(axis=2).all(axis=1)  # an all-zero row is a capture gap, not a route
     ids = np.concatenate([moe, np.zeros((1,) + moe.shape[1:], moe.dtype)])
     return RolloutRoutes.from_ids(
-        ids, num_experts=spec.num_experts, layer_numbers=spec.moe_layer_numbers, topk=spec.topk, valid=valid,
+        ids, num_experts=spec.num_experts, layer_numbers=spec.model_moe_layers, topk=spec.topk, valid=valid,
         num_tokens=num_tokens, sample=sample,
     )
 
@@ -238,7 +238,7 @@ def _moe_rows(ids: np.ndarray, spec: RoutingSpec, sample: Optional[int], dense_f
             f"sample {sample}: routes have {ids.shape[1] if ids.ndim == 3 else '?'} layers, the model has "
             f"{spec.num_layers} decoder layers (shape {ids.shape})"
         )
-    dense = np.asarray([n for n in range(1, spec.num_layers + 1) if n not in set(spec.moe_layer_numbers)])
+    dense = np.asarray([n for n in range(1, spec.num_layers + 1) if n not in set(spec.model_moe_layers)])
     if len(dense):
         rows = ids[:, dense - 1]
         filled = np.zeros(rows.shape[:2], dtype=np.bool_)
@@ -248,6 +248,6 @@ def _moe_rows(ids: np.ndarray, spec: RoutingSpec, sample: Optional[int], dense_f
             token, layer = np.argwhere(~filled)[0]
             raise RoutingValidationError(
                 f"sample {sample}: token {token}, layer {dense[layer]}: dense layer holds routes "
-                f"{rows[token, layer].tolist()}; the layout does not fit moe layers {list(spec.moe_layer_numbers)}"
+                f"{rows[token, layer].tolist()}; the layout does not fit moe layers {list(spec.model_moe_layers)}"
             )
-    return ids[:, np.asarray(spec.moe_layer_numbers) - 1]
+    return ids[:, np.asarray(spec.model_moe_layers) - 1]

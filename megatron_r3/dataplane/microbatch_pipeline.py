@@ -128,13 +128,13 @@ class MicrobatchPipeline:
         routes, next_filler = [self._routes_of(s) for s in samples], 0
         if fillers:
             routes, next_filler = with_fillers(routes, [s.loss_mask for s in samples])
-        plans = self.rows.plans(batch, spec.moe_layer_numbers)
+        plans = self.rows.plans(batch, spec.model_moe_layers)
         padding = plans[0].num_padding_rows
         if padding and fillers:  # the row's padding reads filler routes appended to the source
-            ids = filler_expert_ids(padding, next_filler, len(spec.moe_layer_numbers), spec.topk, spec.num_experts,
+            ids = filler_expert_ids(padding, next_filler, len(spec.model_moe_layers), spec.topk, spec.num_experts,
                                     routes[0].ids.dtype)
             routes.append(RolloutRoutes(ids, np.ones(padding, dtype=bool), spec.num_experts,
-                                        tuple(spec.moe_layer_numbers)))
+                                        tuple(spec.model_moe_layers)))
             plans = [plan.with_padding_rows() for plan in plans]
         packed = self.uploader.upload(routes, plans)
         source_ids, source_valid = concat_routes(routes)
@@ -152,7 +152,7 @@ class MicrobatchPipeline:
             return sample.routes
         spec = self.spec
         return RolloutRoutes.empty(len(sample.token_ids), num_experts=spec.num_experts, topk=spec.topk,
-                                   layer_numbers=spec.moe_layer_numbers)
+                                   layer_numbers=spec.model_moe_layers)
 
 
 def _filler_source_rows(samples: Sequence[RolloutSample], filled: Sequence[RolloutRoutes]) -> np.ndarray:

@@ -25,12 +25,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.dataplane.filler_routes import first_dead_position
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.context_parallel import thd_zigzag_index
-from megatron_r3.layers.moe_layers import PipelineSplit
+from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.moe_layers import chunk_vp_stages
 
 
 @dataclass
@@ -119,7 +120,7 @@ def pack_rollout_microbatch(
 
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
     cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
-    index, _, position = thd_zigzag_index(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
+    index, _, position = zigzag_placement(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
 
     def local(name):
         return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
@@ -163,14 +164,14 @@ class RowLayout:
 
     Attributes:
         rank: This rank's place in the layout (TP/SP, CP, PP rank).
-        split: The model's pipeline split (which chunk builds which layers).
+        config: The model's ``TransformerConfig`` (its pipeline split: which chunk builds which layers).
         seq_length: Length of a packed row.
         micro_batch_size: Samples per row.
         device: Where the rows go.
     """
 
     rank: RankLayout
-    split: PipelineSplit
+    config: TransformerConfig
     seq_length: int
     micro_batch_size: int
     device: torch.device
@@ -178,10 +179,12 @@ class RowLayout:
     @property
     def num_chunks(self) -> int:
         """Model chunks on this rank (virtual pipeline stages)."""
-        vp = self.split.virtual_pipeline_model_parallel_size
-        return vp if vp is not None and self.split.pipeline_model_parallel_size > 1 else 1
+        return len(chunk_vp_stages(self.config))
 
-    def plans(self, batch: RolloutMicrobatch, moe_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
-        """The routing plan of each of this rank's model chunks for ``batch``."""
-        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=moe_layer_numbers, split=self.split,
-                           qkv_format="thd", padded_lens=batch.padded_lens)
+    def plans(self, batch: RolloutMicrobatch, source_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
+        """The routing plan of each of this rank's model chunks for ``batch``.
+
+        ``source_layer_numbers`` are the MoE layers the batch's routes hold (``RolloutRoutes.layer_numbers``).
+        """
+        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=source_layer_numbers,
+                           config=self.config, qkv_format="thd", padded_lens=batch.padded_lens)

@@ -18,7 +18,9 @@ Token placement matches Megatron:
 * CP, BSHD (``get_batch_on_this_cp_rank``): the padded sequence is cut into
   ``2*cp`` equal chunks; rank r keeps chunks r and ``2*cp-1-r``.
 * CP, THD (TransformerEngine's ``thd_get_partitioned_indices``): the same, one
-  padded sequence at a time, concatenated.
+  padded sequence at a time, concatenated. Both CP cases come from
+  :func:`megatron_r3.layers.context_parallel.zigzag_placement`, which also places
+  the tokens of core attention and of the packed microbatches.
 * SP (``scatter_to_sequence_parallel_region``): after the embedding each TP rank
   keeps a contiguous equal slice of the (CP-local) sequence dimension.
 """
@@ -26,12 +28,17 @@ Token placement matches Megatron:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+import torch
 
 from megatron_r3.dataplane.routes import layer_index as _layer_index
-from megatron_r3.layers.moe_layers import PipelineSplit, chunk_moe_layer_numbers
+from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ def bshd_token_index(sample_lens: Sequence[int], seq_len: int, rank: RankLayout)
         raise ValueError(
             f"seq_len {seq_len} must be a multiple of {two_cp} (2*cp) and seq_len/cp of {rank.sp_size} (SP)"
         )
-    positions = _cp_positions(seq_len, rank.cp_size, rank.cp_rank)
+    # One padded sequence per row, every row placed alike.
+    _, positions = _zigzag_placement([seq_len], rank)
     positions = _sp_slice(positions, rank)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
     rows = offsets[None, :] + positions[:, None]  # [s_local, b]
@@ -145,29 +153,16 @@ def thd_token_index(
             f"a multiple of cp*sp = {rank.cp_size * rank.sp_size}"
         )
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    chunk = padded // two_cp
-    local = padded // rank.cp_size  # tokens of each sequence on this CP rank
-    seq = np.repeat(np.arange(len(lens)), local)
-    within = np.arange(local.sum()) - np.repeat(np.cumsum(local) - local, local)
-    c = chunk[seq]
-    if rank.cp_size > 1:
-        # First half of the local part is chunk r, second half chunk 2cp-1-r.
-        first = within < c
-        pos = np.where(first, rank.cp_rank * c + within, (two_cp - 1 - rank.cp_rank) * c + within - c)
-    else:
-        pos = within
+    seq, pos = _zigzag_placement(padded, rank)
     rows = np.where(pos < lens[seq], offsets[seq] + pos, -1)
     return _int32(_sp_slice(rows, rank))
 
 
-def _cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
-    if cp_size == 1:
-        return np.arange(seq_len, dtype=np.int64)
-    chunk = seq_len // (2 * cp_size)
-    mirror = 2 * cp_size - 1 - cp_rank
-    return np.concatenate(
-        [np.arange(cp_rank * chunk, (cp_rank + 1) * chunk), np.arange(mirror * chunk, (mirror + 1) * chunk)]
-    )
+def _zigzag_placement(padded_lens: Sequence[int], rank: RankLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence and position of each of this CP rank's tokens, from the placement core attention uses."""
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(padded_lens, dtype=np.int64)]))
+    placement = zigzag_placement(cu, rank.cp_size, rank.cp_rank, int(cu[-1]) // rank.cp_size)
+    return placement.seq_id.numpy(), placement.position.numpy()
 
 
 def _sp_slice(values: np.ndarray, rank: RankLayout) -> np.ndarray:
@@ -234,7 +229,7 @@ class RoutingPlan:
         sample_lens: Sequence[int],
         *,
         source_layer_numbers: Sequence[int],
-        split: Optional[PipelineSplit] = None,
+        config: Optional[TransformerConfig] = None,
         layer_numbers: Optional[Sequence[int]] = None,
         qkv_format: str = "bshd",
         seq_len: Optional[int] = None,
@@ -247,18 +242,20 @@ class RoutingPlan:
             sample_lens: Token count of each sample in the microbatch, in batch (BSHD)
                 or packing (THD) order.
             source_layer_numbers: MoE layer numbers of the routes (``RolloutRoutes.layer_numbers``).
-            split: The model's pipeline split; with it the chunk's layers are the
-                source layers that ``(rank.pp_rank, rank.vp_stage)`` builds.
-            layer_numbers: The chunk's MoE layer numbers, given directly instead of ``split``.
+            config: The model's ``TransformerConfig``; with it the chunk's layers are the
+                source layers that chunk ``(rank.pp_rank, rank.vp_stage)`` builds
+                (:func:`~megatron_r3.layers.moe_layers.chunk_layers`).
+            layer_numbers: The chunk's MoE layer numbers, given directly instead of ``config``.
             qkv_format: ``"bshd"`` (``[b, seq_len]`` rows) or ``"thd"`` (packed, b = 1).
             seq_len: BSHD padded sequence length (default: the longest sample,
                 rounded up to ``rank.alignment``).
             padded_lens: THD per-sequence padded lengths (``diff(cu_seqlens_padded)``).
         """
-        if (split is None) == (layer_numbers is None):
-            raise ValueError("give exactly one of split= and layer_numbers=")
+        if (config is None) == (layer_numbers is None):
+            raise ValueError("give exactly one of config= and layer_numbers=")
         if layer_numbers is None:
-            layer_numbers = chunk_moe_layer_numbers(source_layer_numbers, split, rank.pp_rank, rank.vp_stage)
+            built = chunk_layers(config, rank.pp_rank, rank.vp_stage)
+            layer_numbers = [n for n in source_layer_numbers if n in built]
         if qkv_format == "bshd":
             if padded_lens is not None:
                 raise ValueError("padded_lens is for THD; BSHD takes seq_len")
@@ -282,17 +279,15 @@ class RoutingPlan:
 
 
 def chunk_plans(
-    rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int], split: PipelineSplit,
-    **layout,
+    rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int],
+    config: TransformerConfig, **layout,
 ) -> list[RoutingPlan]:
     """One plan per model chunk of ``rank.pp_rank``, in ``vp_stage`` order (one chunk without VP).
 
     ``layout`` takes :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
     """
-    vp = split.virtual_pipeline_model_parallel_size
-    stages = range(vp) if vp is not None and split.pipeline_model_parallel_size > 1 else [None]
     return [
         RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens, source_layer_numbers=source_layer_numbers,
-                          split=split, **layout)
-        for stage in stages
+                          config=config, **layout)
+        for stage in chunk_vp_stages(config)
     ]

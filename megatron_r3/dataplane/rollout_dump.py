@@ -602,7 +602,7 @@ def check_dump_fits(
     *,
     num_experts: int,
     topk: int,
-    moe_layer_numbers: Sequence[int],
+    model_moe_layers: Sequence[int],
     vocab_size: int,
     seq_length: int,
 ) -> RolloutDumpStats:
@@ -617,7 +617,7 @@ def check_dump_fits(
     Args:
         dump: Path of the dump, or an open reader.
         num_experts, topk: The model's ``--num-experts`` and ``--moe-router-topk``.
-        moe_layer_numbers: The model's MoE layer numbers (global, 1-based).
+        model_moe_layers: The model's MoE layers (global 1-based layer numbers).
         vocab_size: The model's ``--vocab-size``.
         seq_length: The model's ``--seq-length``: a sample must fit one row.
 
@@ -626,7 +626,7 @@ def check_dump_fits(
     """
     reader = RolloutDumpReader(dump) if isinstance(dump, str) or hasattr(dump, "__fspath__") else dump
     try:
-        layers = tuple(int(n) for n in moe_layer_numbers)
+        layers = tuple(int(n) for n in model_moe_layers)
         problems = []
         if tuple(reader.layer_numbers) != layers:
             problems.append(f"MoE layers: the dump holds routes for MoE layers {tuple(reader.layer_numbers)}, "

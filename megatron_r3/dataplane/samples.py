@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron_r3.dataplane.routes import RolloutRoutes
-from megatron_r3.layers.moe_layers import moe_layer_numbers
+from megatron_r3.layers.moe_layers import model_moe_layers
 
 
 @dataclass
@@ -43,13 +43,13 @@ class RoutingSpec:
 
     Attributes:
         num_layers: Decoder layers of the full model (``num_hidden_layers``).
-        moe_layer_numbers: 1-based numbers of its MoE layers, increasing.
+        model_moe_layers: The model's MoE layers: global 1-based layer numbers, increasing.
         num_experts: Routed experts per MoE layer.
         topk: Experts per token.
     """
 
     num_layers: int
-    moe_layer_numbers: tuple[int, ...]
+    model_moe_layers: tuple[int, ...]
     num_experts: int
     topk: int
 
@@ -66,7 +66,7 @@ class RoutingSpec:
         ``num_moe_experts``, ``moe_router_topk``)."""
         return cls(
             num_layers=config.num_layers,
-            moe_layer_numbers=moe_layer_numbers(config.num_layers, config.moe_layer_freq),
+            model_moe_layers=model_moe_layers(config.num_layers, config.moe_layer_freq),
             num_experts=config.num_moe_experts,
             topk=config.moe_router_topk,
         )

@@ -1,4 +1,4 @@
-"""Where a context-parallel rank's tokens sit in the full sequence, and a K/V gather.
+"""Where a context-parallel rank's tokens sit in the full batch, and a K/V gather.
 
 Megatron splits every sequence into ``2 * cp`` equal chunks and gives rank ``r``
 chunks ``r`` and ``2 * cp - 1 - r`` (a "zigzag" that balances causal work):
@@ -6,80 +6,67 @@ chunks ``r`` and ``2 * cp - 1 - r`` (a "zigzag" that balances causal work):
 ``thd_get_partitioned_indices`` does it sequence by sequence for packed THD
 batches, whose sequences are first padded to a multiple of ``2 * cp``.
 
-The functions here compute, on the device and without host syncs, the global
-index of each local token; core attention uses them to build its causal mask and
-test harnesses use them to slice inputs.
+:func:`zigzag_placement` is the one place this placement is computed: core
+attention builds its causal mask from it on the device, the data plane places
+tokens (:mod:`megatron_r3.dataplane.microbatches`) and routes
+(:mod:`megatron_r3.dataplane.plan`) with it on the host, so replayed routes and
+tokens cannot disagree.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def zigzag_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Positions in the full sequence of the tokens a CP rank holds (BSHD).
+class ZigzagPlacement(NamedTuple):
+    """Where each token a CP rank holds sits, each an int64 ``[num_local_tokens]`` tensor.
 
-    Args:
-        local_len: Tokens this rank holds, ``seq_len // cp_size``; even when
-            ``cp_size > 1``.
-        cp_size: Context-parallel world size.
-        cp_rank: This rank in the context-parallel group.
-        device: Device of the result.
-
-    Returns:
-        int64 tensor ``[local_len]``: the global position of each local token.
+    Attributes:
+        index: The token's index in the full (not CP-split) packed batch.
+        seq_id: Its sequence.
+        position: Its position within that sequence.
     """
-    local = torch.arange(local_len, device=device)
-    if cp_size == 1:
-        return local
-    if local_len % 2:
-        raise ValueError(f"a CP rank holds two equal chunks; got {local_len} tokens")
-    chunk = local_len // 2
-    first = local < chunk
-    chunk_id = torch.where(first, cp_rank, 2 * cp_size - 1 - cp_rank)
-    return chunk_id * chunk + local % chunk
+
+    index: torch.Tensor
+    seq_id: torch.Tensor
+    position: torch.Tensor
 
 
-def thd_zigzag_index(
-    cu_seqlens_padded: torch.Tensor,
-    cp_size: int,
-    cp_rank: int,
-    num_local_tokens: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the tokens of a CP rank sit in a packed (THD) batch.
+def zigzag_placement(
+    cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int, num_local_tokens: int
+) -> ZigzagPlacement:
+    """Where the tokens of a context-parallel rank sit in the full batch, in local order.
 
-    Each sequence ``i`` occupies ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` of
-    the full packed batch, a length divisible by ``2 * cp_size``. Rank ``r`` holds,
-    sequence by sequence, that sequence's chunks ``r`` and ``2 * cp_size - 1 - r``.
+    Sequence ``i`` occupies ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`` of the
+    full packed (THD) batch, a length divisible by ``2 * cp_size`` when ``cp_size > 1``.
+    Rank ``r`` holds, sequence by sequence, that sequence's chunks ``r`` and
+    ``2 * cp_size - 1 - r``. A BSHD batch is the one-sequence case,
+    ``cu_seqlens_padded = [0, seq_len]``: every row of the batch is placed alike.
+
+    Runs on the device of ``cu_seqlens_padded`` with no host sync.
 
     Args:
         cu_seqlens_padded: int tensor ``[num_seqs + 1]``, cumulative padded lengths
-            of the full (not CP-split) packed batch.
+            of the full (not CP-split) batch.
         cp_size: Context-parallel world size.
         cp_rank: This rank in the context-parallel group.
-        num_local_tokens: ``cu_seqlens_padded[-1] // cp_size`` if the caller knows
-            it (saves a device-to-host copy).
-
-    Returns:
-        ``(index, seq_id, position)``, each int64 ``[total_padded // cp_size]``:
-        the token's index in the full packed batch, its sequence, and its position
-        within that sequence.
+        num_local_tokens: ``cu_seqlens_padded[-1] // cp_size``, known to the caller
+            (reading it from the tensor would be a device-to-host copy).
     """
     cu = cu_seqlens_padded.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    local_cu = torch.nn.functional.pad(torch.cumsum(lengths // cp_size, 0), (1, 0))
-    if num_local_tokens is None:
-        num_local_tokens = int(cu[-1]) // cp_size  # a host sync; callers that know it pass it
+    local_lengths = (cu[1:] - cu[:-1]) // cp_size
+    local_ends = torch.cumsum(local_lengths, 0)
     local = torch.arange(num_local_tokens, device=cu.device)
-    seq_id = torch.bucketize(local, local_cu[1:], right=True)
-    offset = local - local_cu[seq_id]
+    seq_id = torch.bucketize(local, local_ends, right=True)
+    offset = local - (local_ends - local_lengths)[seq_id]
     position = offset
     if cp_size > 1:
-        chunk = lengths[seq_id] // (2 * cp_size)
-        chunk_id = torch.where(offset < chunk, cp_rank, 2 * cp_size - 1 - cp_rank)
-        position = chunk_id * chunk + offset % chunk
-    return cu[seq_id] + position, seq_id, position
+        # The first half of a sequence's local tokens is chunk cp_rank, the second its mirror.
+        chunk = local_lengths[seq_id] // 2
+        mirror = 2 * cp_size - 1 - cp_rank
+        position = torch.where(offset < chunk, cp_rank * chunk + offset, (mirror - 1) * chunk + offset)
+    return ZigzagPlacement(cu[seq_id] + position, seq_id, position)
 
 
 class _AllGatherFirstDim(torch.autograd.Function):

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-from megatron_r3.layers.context_parallel import all_gather_first_dim, thd_zigzag_index, zigzag_positions
+from megatron_r3.layers.context_parallel import all_gather_first_dim, zigzag_placement
 
 
 class ContextParallelDotProductAttention(MegatronModule):
@@ -143,24 +143,22 @@ class ContextParallelDotProductAttention(MegatronModule):
         """Boolean ``[local_len, cp * local_len]``: which gathered key each local query sees."""
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         if packed_seq_params is None:
-            q_pos = zigzag_positions(local_len, cp_size, cp_rank, device)
-            k_pos = torch.cat(
-                [zigzag_positions(local_len, cp_size, r, device) for r in range(cp_size)]
-            )
-            return k_pos[None, :] <= q_pos[:, None]
+            if cp_size > 1 and local_len % 2:
+                raise ValueError(f"a CP rank holds two equal chunks of the sequence; got {local_len} tokens")
+            # BSHD: one sequence of cp * local_len real tokens per row, every row alike.
+            cu_padded = torch.arange(2, device=device) * (cp_size * local_len)
+            lengths = cu_padded.diff()
+        else:
+            cu_padded = packed_seq_params.cu_seqlens_q_padded
+            if cu_padded is None:
+                cu_padded = packed_seq_params.cu_seqlens_q
+            cu_padded = cu_padded.to(device)
+            lengths = packed_seq_params.cu_seqlens_q.to(device).diff().to(torch.int64)
 
-        cu_padded = packed_seq_params.cu_seqlens_q_padded
-        if cu_padded is None:
-            cu_padded = packed_seq_params.cu_seqlens_q
-        cu_padded = cu_padded.to(device)
-        lengths = (packed_seq_params.cu_seqlens_q.to(device).diff()).to(torch.int64)
-
-        def layout(rank):
-            _, seq, pos = thd_zigzag_index(cu_padded, cp_size, rank, local_len)
-            return seq, pos
-
-        q_seq, q_pos = layout(cp_rank)
-        k_seq, k_pos = (torch.cat(parts) for parts in zip(*(layout(r) for r in range(cp_size))))
+        placements = [zigzag_placement(cu_padded, cp_size, rank, local_len) for rank in range(cp_size)]
+        q_seq, q_pos = placements[cp_rank].seq_id, placements[cp_rank].position
+        k_seq = torch.cat([placement.seq_id for placement in placements])
+        k_pos = torch.cat([placement.position for placement in placements])
         k_real = k_pos < lengths[k_seq]
         same_seq = q_seq[:, None] == k_seq[None, :]
         return same_seq & (k_pos[None, :] <= q_pos[:, None]) & k_real[None, :]

@@ -11,18 +11,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import (
-    TransformerLayer,
-    TransformerLayerSubmodules,
-    get_transformer_layer_offset,
-)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_r3.layers.core_attention import ContextParallelDotProductAttention
+from megatron_r3.layers.moe_layers import chunk_layers, moe_layer_pattern
 from megatron_r3.layers.norm import SequenceParallelNorm
 
 
@@ -96,26 +90,6 @@ def get_gpt_layer_r3_spec(
     )
 
 
-def moe_layer_pattern(config: TransformerConfig) -> list[int]:
-    """Which layers are MoE (1) and which dense (0), from ``config.moe_layer_freq``.
-
-    An int ``N`` makes every N-th layer (0, N, 2N, ...) a MoE layer; a list gives
-    the pattern layer by layer. Without ``num_moe_experts`` every layer is dense.
-    """
-    if config.num_moe_experts is None:
-        return [0] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [int(i % freq == 0) for i in range(config.num_layers)]
-    pattern = list(freq)
-    if len(pattern) != config.num_layers or set(pattern) - {0, 1}:
-        raise ValueError(
-            f"moe_layer_freq must list 0 or 1 for each of the {config.num_layers} layers, "
-            f"got {freq}"
-        )
-    return pattern
-
-
 def get_gpt_decoder_block_r3_spec(
     config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
 ) -> TransformerBlockSubmodules:
@@ -124,7 +98,9 @@ def get_gpt_decoder_block_r3_spec(
     Follows ``get_gpt_decoder_block_spec``: the layer pattern comes from
     ``config.moe_layer_freq`` and the stage keeps the layers that
     ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` assign to it
-    (uneven first/last stages and virtual pipeline stages included). The final
+    (uneven first/last stages and virtual pipeline stages included), through
+    :func:`~megatron_r3.layers.moe_layers.chunk_layers`, the function the routing
+    plans ask which layers a chunk builds. The final
     norm is a :class:`~megatron_r3.layers.norm.SequenceParallelNorm`.
 
     Args:
@@ -143,9 +119,12 @@ def get_gpt_decoder_block_r3_spec(
         moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm,
     )
-    layer_specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if config.num_moe_experts is None:
+        pattern = [False] * config.num_layers
+    else:
+        pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    layer_specs = [moe if is_moe else dense for is_moe in pattern]
+    built = chunk_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=layer_specs[offset : offset + count], layer_norm=SequenceParallelNorm
+        layer_specs=layer_specs[built.start - 1 : built.stop - 1], layer_norm=SequenceParallelNorm
     )

@@ -153,7 +153,7 @@ class PolicyTrainer:
             bad = int(np.argmax(~np.isfinite(advantages)))
             raise SampleValueError(f"sample {bad}: advantage {advantages[bad]} is not finite")
         settings = self.settings
-        sums = zero_sums(len(self.spec.moe_layer_numbers), self.rows.device)
+        sums = zero_sums(len(self.spec.model_moe_layers), self.rows.device)
         old_logprobs = recorded = None
         if settings.replay_mode == "r2":
             with self.timer.phase("pass/old_logprob"):
@@ -247,7 +247,7 @@ class PolicyTrainer:
                 engine = item.routes.expert_ids.clone()
                 engine[:, torch.from_numpy(item.filler_rows).to(engine.device)] = -1  # fillers are no engine routes
                 sums["agreement"] += routing_agreement_counts(
-                    engine, trainer, routing.layer_numbers, self.spec.moe_layer_numbers
+                    engine, trainer, routing.layer_numbers, self.spec.model_moe_layers
                 ).to(sums["agreement"].device)
 
     def _add_replica_counts(self, sums, samples: Sequence[RolloutSample], rewards) -> None:

@@ -223,7 +223,7 @@ class RolloutEngine:
 
         # This rank's recorded parts, then those of the replica's other ranks.
         local = [[(plan, routing.recorded_expert_ids().cpu())
-                  for plan, routing in zip(self.rows.plans(batch, self.spec.moe_layer_numbers), per_chunk)]
+                  for plan, routing in zip(self.rows.plans(batch, self.spec.model_moe_layers), per_chunk)]
                  for batch, per_chunk in zip(batches, routings)]
         parts = gather_objects_in_replica(local)
 

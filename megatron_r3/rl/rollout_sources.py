@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_dump_fits
 from megatron_r3.dataplane.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import moe_layer_numbers
+from megatron_r3.layers.moe_layers import model_moe_layers
 from megatron_r3.rl.arguments import layer_freq, task_of
 from megatron_r3.rl.policy_loss import group_advantages
 from megatron_r3.rl.rollout_engine import RolloutEngine
@@ -27,7 +27,7 @@ from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microba
 def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
     """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
     check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
-                    moe_layer_numbers=moe_layer_numbers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
+                    model_moe_layers=model_moe_layers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
                     seq_length=args.seq_length)
 
 

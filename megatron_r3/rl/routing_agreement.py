@@ -19,7 +19,7 @@ def routing_agreement_counts(
     engine_ids: torch.Tensor,
     trainer_ids: torch.Tensor,
     layer_numbers: Sequence[int],
-    moe_layer_numbers: Sequence[int],
+    model_moe_layers: Sequence[int],
 ) -> torch.Tensor:
     """Per MoE layer of the model: pairs with an engine route, and those where the trainer agrees.
 
@@ -28,18 +28,18 @@ def routing_agreement_counts(
             model chunk's microbatch; rows of -1 have no route and do not count.
         trainer_ids: The trainer's own top-k for the same tokens, same shape.
         layer_numbers: The MoE layer of each row.
-        moe_layer_numbers: All MoE layer numbers of the model, increasing; the columns.
+        model_moe_layers: All MoE layer numbers of the model, increasing; the columns.
 
     Returns:
-        float64 ``[2, len(moe_layer_numbers)]`` on the routes' device: row 0 agreeing pairs,
+        float64 ``[2, len(model_moe_layers)]`` on the routes' device: row 0 agreeing pairs,
         row 1 pairs with an engine route. Layers this chunk does not build count zero.
     """
-    counts = torch.zeros((2, len(moe_layer_numbers)), dtype=torch.float64, device=engine_ids.device)
+    counts = torch.zeros((2, len(model_moe_layers)), dtype=torch.float64, device=engine_ids.device)
     if not len(layer_numbers):
         return counts
     routed = engine_ids[..., 0] >= 0  # [L_local, n_local]
     agree = (trainer_ids.sort(dim=-1).values == engine_ids.sort(dim=-1).values).all(dim=-1) & routed
-    columns = torch.tensor([list(moe_layer_numbers).index(n) for n in layer_numbers], device=counts.device)
+    columns = torch.tensor([list(model_moe_layers).index(n) for n in layer_numbers], device=counts.device)
     counts[0, columns] = agree.sum(dim=1).to(torch.float64)
     counts[1, columns] = routed.sum(dim=1).to(torch.float64)
     return counts

@@ -22,7 +22,6 @@ from megatron_r3.dataplane.microbatches import RowLayout
 from megatron_r3.dataplane.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.layers.moe_layers import PipelineSplit
 from megatron_r3.rl.arguments import complete_args
 from megatron_r3.rl.checkpointing import (
     RNGStateNotRestoredWarning,
@@ -80,7 +79,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         config = transformer_config(args, device)
         chunks = build_model(args, config, device)
         spec = RoutingSpec.from_config(config)
-        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config), args.seq_length,
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
                          args.micro_batch_size, device)
         stack = build_training_stack(chunks, config, args)
         trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings(
@@ -205,7 +204,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
             finite; its optimizer step was not taken, and it saved nothing.
     """
     args = run.args
-    moe_layers = run.trainer.spec.moe_layer_numbers
+    moe_layers = run.trainer.spec.model_moe_layers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
     metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
     if logging_rank and args.metrics_file is not None:

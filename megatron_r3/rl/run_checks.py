@@ -22,10 +22,12 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_records
-from megatron_r3.layers.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
 
 
 class RunCheckError(ValueError):
@@ -98,7 +100,7 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     if groups % tp:
         problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
     try:
-        moe_layer_numbers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
+        model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
     except ValueError as error:
         problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --num-layers {args.num_layers}: {error}")
     problems += _pipeline_problems(args)
@@ -121,18 +123,25 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
     if pp == 1 and (vp is not None or first is not None or last is not None):
         return ["--num-virtual-stages-per-pipeline-rank and --decoder-first/last-pipeline-num-layers need "
                 "--pipeline-model-parallel-size > 1"]
-    split = PipelineSplit(args.num_layers, pp, vp, first, last)
+    flags = [f"--num-layers {args.num_layers}", f"--pipeline-model-parallel-size {pp}"]
+    for name, value in (("num_virtual_stages_per_pipeline_rank", vp), ("decoder_first_pipeline_num_layers", first),
+                        ("decoder_last_pipeline_num_layers", last)):
+        if value is not None:
+            flags.append(f"{_flag(name)} {value}")
+    # Megatron's own checks and split: its TransformerConfig's, then the layers it gives each chunk.
     try:
-        for rank in range(pp):
-            for stage in range(vp) if vp else [None]:
-                split.layer_range(rank, stage)
-    except ValueError as error:
-        flags = [f"--num-layers {args.num_layers}", f"--pipeline-model-parallel-size {pp}"]
-        for name, value in (("num_virtual_stages_per_pipeline_rank", vp), ("decoder_first_pipeline_num_layers", first),
-                            ("decoder_last_pipeline_num_layers", last)):
-            if value is not None:
-                flags.append(f"{_flag(name)} {value}")
-        return [f"{', '.join(flags)}: {error}"]
+        config = TransformerConfig(num_layers=args.num_layers, hidden_size=1, num_attention_heads=1,
+                                   pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                                   num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                   pipeline_dtype=torch.float32,
+                                   cuda_graph_modules=[])  # the default, "full", warns that it is deprecated
+        chunks = [chunk_layers(config, rank, stage) for stage in chunk_vp_stages(config) for rank in range(pp)]
+    except (ValueError, AssertionError) as error:
+        return [f"{', '.join(flags)}: {' '.join(str(error).split())}"]  # Megatron's messages span lines
+    counts = [chunk.stop - chunk.start for chunk in chunks]
+    if sorted(n for chunk in chunks for n in chunk) != list(range(1, args.num_layers + 1)) or min(counts) < 0:
+        return [f"{', '.join(flags)}: the pipeline chunks would build {counts} layers, not each of the "
+                f"{args.num_layers} layers once"]
     return []
 
 

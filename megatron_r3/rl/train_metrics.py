@@ -63,12 +63,12 @@ def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tens
     return {name: torch.zeros(shape, dtype=torch.float64, device=device) for name, shape in sizes.items()}
 
 
-def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
+def metric_keys(model_moe_layers: Sequence[int]) -> list[str]:
     """The keys of :func:`iteration_metrics`, in order."""
     return (["iteration", "consumed_samples", "tokens", "tokens_per_s", "elapsed_s", "eta_s", "loss", "reward/mean",
              "lr", "grad_norm"]
             + [f"mismatch/{mode}/{name}" for mode in MODES for name in MISMATCH_METRICS]
-            + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in moe_layer_numbers]
+            + ["routing/agreement"] + [f"routing/agreement/layer_{n}" for n in model_moe_layers]
             + ["routing/replayed_tokens", "routing/filler_tokens", "routing/live_tokens",
                "routing/host_split_microbatches"]
             + [f"time/{phase}_s" for phase in PHASES] + [f"host_syncs/{phase}" for phase in PHASES])
@@ -76,7 +76,7 @@ def metric_keys(moe_layer_numbers: Sequence[int]) -> list[str]:
 
 def iteration_metrics(
     sums: dict[str, np.ndarray],
-    moe_layer_numbers: Sequence[int],
+    model_moe_layers: Sequence[int],
     *,
     iteration: int,
     consumed_samples: int,
@@ -112,7 +112,7 @@ def iteration_metrics(
         for i, name in enumerate(MISMATCH_METRICS):
             metrics[f"mismatch/{mode}/{name}"] = float(totals[i + 1]) / float(totals[0]) if totals[0] else None
     metrics["routing/agreement"] = float(agree.sum() / pairs.sum()) if pairs.sum() else None
-    for n, a, p in zip(moe_layer_numbers, agree, pairs):
+    for n, a, p in zip(model_moe_layers, agree, pairs):
         metrics[f"routing/agreement/layer_{n}"] = float(a / p) if p else None
     metrics["routing/replayed_tokens"] = int(sums["routing/replayed_tokens"][0])
     metrics["routing/filler_tokens"] = int(sums["routing/filler_tokens"][0])

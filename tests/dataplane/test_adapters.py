@@ -15,13 +15,13 @@ from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.validation import RoutingValidationError
 
 # A dense-first model: 6 decoder layers, layer 1 dense, MoE layers 2..6 except 4.
-SPEC = RoutingSpec(num_layers=6, moe_layer_numbers=(2, 3, 5, 6), num_experts=64, topk=4)
+SPEC = RoutingSpec(num_layers=6, model_moe_layers=(2, 3, 5, 6), num_experts=64, topk=4)
 
 
 def engine_rows(rng, num_tokens, spec=SPEC):
     """What vLLM / SGLang return: int32 [num_tokens - 1, num_layers, topk], dense layers zero."""
     rows = np.zeros((num_tokens - 1, spec.num_layers, spec.topk), np.int32)
-    for n in spec.moe_layer_numbers:
+    for n in spec.model_moe_layers:
         rows[:, n - 1] = np.argsort(rng.random((num_tokens - 1, spec.num_experts)), axis=1)[:, : spec.topk]
     return rows
 
@@ -53,7 +53,7 @@ def test_vllm_capture_gap_leaves_the_whole_token_to_the_live_router():
     assert (routes.to_int64()[5] == -1).all()  # not replayed at layers 2, 5, 6 either
     np.testing.assert_array_equal(routes.to_int64()[[0, 1, 2, 3, 4, 6]], rows[[0, 1, 2, 3, 4, 6]][:, [1, 2, 4, 5]])
     # With top-1 a zero row is expert 0, a route like any other.
-    top1 = RoutingSpec(num_layers=6, moe_layer_numbers=(2, 3, 5, 6), num_experts=64, topk=1)
+    top1 = RoutingSpec(num_layers=6, model_moe_layers=(2, 3, 5, 6), num_experts=64, topk=1)
     rows = engine_rows(rng, 8, top1)
     rows[5, 2] = 0
     assert from_vllm(rows, top1).valid.tolist() == [True] * 7 + [False]
@@ -109,7 +109,7 @@ def test_raw_arrays_moe_and_full_layouts():
     b = from_array(full[:, [1, 2, 4, 5]], SPEC)
     np.testing.assert_array_equal(a.to_int64(), b.to_int64())
     assert a.valid.tolist() == [True, True, False, True, True]
-    big = RoutingSpec(num_layers=2, moe_layer_numbers=(1, 2), num_experts=300, topk=2)
+    big = RoutingSpec(num_layers=2, model_moe_layers=(1, 2), num_experts=300, topk=2)
     assert from_array(np.array([[[299, 0], [1, 2]]]), big).ids.dtype == np.int16
 
 
@@ -141,7 +141,7 @@ def _set(x, index, value):
 
 def test_tokens_without_route_are_not_validated_or_replayed():
     ids = np.array([[[-1, -1]], [[5, 5]], [[1, 2]]])  # token 1 repeats an id but has no route
-    spec = RoutingSpec(num_layers=1, moe_layer_numbers=(1,), num_experts=8, topk=2)
+    spec = RoutingSpec(num_layers=1, model_moe_layers=(1,), num_experts=8, topk=2)
     routes = from_array(ids, spec, valid=np.array([False, False, True]))
     assert routes.to_int64().tolist() == [[[-1, -1]], [[-1, -1]], [[1, 2]]]
 
@@ -155,7 +155,7 @@ def recorded_parts(samples, tp=2, cp=2):
         for cp_rank in range(cp):
             for chunk in ((2, 3), (5, 6)):
                 rank = RankLayout(tp_size=tp, tp_rank=tp_rank, sequence_parallel=True, cp_size=cp, cp_rank=cp_rank)
-                plan = RoutingPlan.build(rank, lens, source_layer_numbers=SPEC.moe_layer_numbers,
+                plan = RoutingPlan.build(rank, lens, source_layer_numbers=SPEC.model_moe_layers,
                                          layer_numbers=chunk, qkv_format="thd")
                 recorded = gather_routes(ids, valid, torch.from_numpy(plan.token_index),
                                          torch.from_numpy(plan.layer_index))

@@ -24,7 +24,7 @@ from tools.dump_vllm_rollouts import main, request_output_to_json
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dense-first: layers 1 and 3 are dense, 2 and 4 are MoE (--moe-layer-freq 0,1,0,1).
-SPEC = RoutingSpec(num_layers=4, moe_layer_numbers=(2, 4), num_experts=16, topk=2)
+SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=16, topk=2)
 MODEL_FLAGS = ["--num-layers", "4", "--moe-layer-freq", "0,1,0,1", "--num-experts", "16", "--moe-router-topk", "2"]
 
 
@@ -44,7 +44,7 @@ class Truth:
     def engine_rows(self) -> np.ndarray:
         """np.int32 [T - 1, num_layers, topk], dense layers zero rows, as both engines return."""
         rows = np.zeros((len(self.tokens) - 1, SPEC.num_layers, SPEC.topk), np.int32)
-        rows[:, np.asarray(SPEC.moe_layer_numbers) - 1] = self.routes
+        rows[:, np.asarray(SPEC.model_moe_layers) - 1] = self.routes
         return rows
 
 
@@ -54,7 +54,7 @@ def make_truth(rng, prompt_len, completion_len, prompt=None) -> Truth:
     n = prompt_len + completion_len
     logprobs = -rng.random(n).astype(np.float32)
     logprobs[0] = 0.0
-    routes = np.argsort(rng.random((n - 1, len(SPEC.moe_layer_numbers), SPEC.num_experts)), axis=2)[:, :, : SPEC.topk]
+    routes = np.argsort(rng.random((n - 1, len(SPEC.model_moe_layers), SPEC.num_experts)), axis=2)[:, :, : SPEC.topk]
     return Truth(prompt, [int(t) for t in rng.integers(0, 1000, completion_len)], logprobs, routes)
 
 
@@ -132,7 +132,7 @@ def assert_sample(sample, truth, logprobs=None):
     assert sample.loss_mask.tolist() == [False] * len(truth.prompt) + [True] * len(truth.completion)
     np.testing.assert_array_equal(sample.logprobs, truth.logprobs if logprobs is None else logprobs)
     routes = sample.routes
-    assert routes.layer_numbers == SPEC.moe_layer_numbers  # dense-layer rows dropped
+    assert routes.layer_numbers == SPEC.model_moe_layers  # dense-layer rows dropped
     assert routes.valid.tolist() == [True] * (t - 1) + [False]  # the last sampled token has no route
     ids = routes.to_int64()
     np.testing.assert_array_equal(ids[:-1], truth.routes)
@@ -142,7 +142,7 @@ def assert_sample(sample, truth, logprobs=None):
 def round_trip(samples, tmp_path):
     path = tmp_path / "rollouts.r3dump"
     with RolloutDumpWriter(path, num_experts=SPEC.num_experts, topk=SPEC.topk,
-                           layer_numbers=SPEC.moe_layer_numbers) as writer:
+                           layer_numbers=SPEC.model_moe_layers) as writer:
         for sample in samples:
             writer.write(sample)
     with RolloutDumpReader(path) as reader:

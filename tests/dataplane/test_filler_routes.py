@@ -26,7 +26,6 @@ from megatron_r3.dataplane.microbatches import RowLayout
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import PipelineSplit
 from megatron_r3.rl.model_pass import run_pass, token_logprobs
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
@@ -121,7 +120,7 @@ def filler_worker(layout, samples):
         config = make_config(layout, MODEL, moe_enable_routing_replay=True,
                              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)
         chunks = build_gpt(config, MODEL, seed=0, device=device)
-        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), PipelineSplit.from_config(config),
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config,
                          SEQ_LENGTH, MICRO_BATCH, device)
         spec = RoutingSpec(MODEL.num_layers, MOE_LAYERS, MODEL.num_experts, MODEL.topk)
         exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),

@@ -10,11 +10,11 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron_r3.dataplane.expert_counts import ExpertCountExchange, local_expert_counts
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes, concat_routes
-from megatron_r3.layers.moe_layers import PipelineSplit
 from tests.support.batches import make_sequences
 from tests.support.harness import Step, full_grads, full_token_losses
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
+from tests.support.pipeline import pipeline_config
 from tests.support.replay_layouts import random_forced_routes, run_replay_layout
 from tests.support.tiny_moe import TinyMoE
 
@@ -54,8 +54,8 @@ def direct_counts(samples, plan):
 def test_local_counts_equal_a_direct_count(rank):
     lengths = [8, 12, 4]
     samples = random_samples(lengths, seed=3)
-    split = PipelineSplit(num_layers=6, pipeline_model_parallel_size=2)
-    plan = RoutingPlan.build(rank, lengths, source_layer_numbers=LAYERS, split=split, qkv_format="thd")
+    config = pipeline_config(6, pp=2)
+    plan = RoutingPlan.build(rank, lengths, source_layer_numbers=LAYERS, config=config, qkv_format="thd")
     ids, valid = concat_routes(samples)
     counts = local_expert_counts(ids, valid, plan, EXPERTS)
     assert np.array_equal(counts, direct_counts(samples, plan))

@@ -7,7 +7,7 @@ import torch
 from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.context_parallel import thd_zigzag_index
+from megatron_r3.layers.context_parallel import zigzag_placement
 
 CPU = torch.device("cpu")
 
@@ -30,7 +30,7 @@ def test_cp_ranks_together_hold_the_packed_row(tp, sp, cp):
         mb = pack_rollout_microbatch(group, rank, seq_length, CPU, advantages)
         assert sum(mb.padded_lens) == seq_length and all(p % rank.alignment == 0 for p in mb.padded_lens)
         assert mb.tokens.shape == (1, seq_length // cp)
-        index, _, _ = thd_zigzag_index(mb.packed_seq_params.cu_seqlens_q_padded, cp, cp_rank)
+        index = zigzag_placement(mb.packed_seq_params.cu_seqlens_q_padded, cp, cp_rank, seq_length // cp).index
         assert mb.row_index.tolist() == index.tolist()
         for key, value in (("tokens", mb.tokens), ("labels", mb.labels), ("loss_mask", mb.loss_mask),
                            ("logprobs", mb.rollout_logprobs), ("advantages", mb.advantages),

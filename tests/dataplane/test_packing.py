@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import megatron_r3
-from megatron_r3.layers.moe_layers import PipelineSplit
 from megatron_r3.dataplane.packing import (
     gather_routes,
     gather_routes_reference,
@@ -19,6 +18,7 @@ from megatron_r3.dataplane.packing import (
 )
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import id_dtype
+from tests.support.pipeline import pipeline_config
 
 pytestmark = pytest.mark.skipif(not megatron_r3.kernel_info()["cpu"], reason="megatron_r3._C not built")
 
@@ -36,12 +36,12 @@ def random_case(seed):
     per_chunk = int(rng.integers(1, 3))
     first = last = None
     if pp > 2 and rng.random() < 0.5 and vp == 1:
-        first, last = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        first, last = int(rng.integers(1, 3)), int(rng.integers(1, 3))  # Megatron wants >= 1
         num_layers = first + last + per_chunk * (pp - 2)
     else:
         num_layers = per_chunk * stages
     moe = tuple(n for n in moe if n <= num_layers) or (num_layers,)
-    split = PipelineSplit(num_layers, pp, vp if vp > 1 else None, first, last)
+    config = pipeline_config(num_layers, pp, vp if vp > 1 else None, first, last)
     tp, cp = int(rng.choice([1, 2, 4, 8])), int(rng.choice([1, 2, 4, 8]))
     rank = RankLayout(tp_size=tp, tp_rank=int(rng.integers(tp)), sequence_parallel=bool(rng.random() < 0.7),
                       cp_size=cp, cp_rank=int(rng.integers(cp)), pp_rank=int(rng.integers(pp)),
@@ -52,7 +52,7 @@ def random_case(seed):
     experts = np.argsort(rng.random((n_src, len(moe), num_experts)), axis=2)[:, :, :topk]
     ids = torch.from_numpy(experts.astype(id_dtype(num_experts)))
     valid = torch.from_numpy(rng.random(n_src) < 0.8)
-    plan = RoutingPlan.build(rank, lens, source_layer_numbers=moe, split=split, qkv_format="thd" if thd else "bshd")
+    plan = RoutingPlan.build(rank, lens, source_layer_numbers=moe, config=config, qkv_format="thd" if thd else "bshd")
     return ids, valid, plan
 
 
@@ -102,7 +102,7 @@ def test_gather_then_scatter_round_trips_every_rank():
     moe = (1, 2, 4, 5, 6, 7)
     ids = torch.from_numpy(rng.integers(0, 256, (sum(lens), len(moe), 4)).astype(np.uint8))
     valid = torch.from_numpy(rng.random(sum(lens)) < 0.9)
-    split = PipelineSplit(8, 2, 2)
+    config = pipeline_config(8, pp=2, vp=2)
     out_ids, recorded = torch.zeros_like(ids), torch.zeros(ids.shape[:2], dtype=torch.bool)
     for tp_rank in range(2):
         for cp_rank in range(4):
@@ -110,7 +110,7 @@ def test_gather_then_scatter_round_trips_every_rank():
                 for vp in range(2):
                     rank = RankLayout(tp_size=2, tp_rank=tp_rank, sequence_parallel=True, cp_size=4,
                                       cp_rank=cp_rank, pp_rank=pp_rank, vp_stage=vp)
-                    plan = RoutingPlan.build(rank, lens, source_layer_numbers=moe, split=split, qkv_format="thd")
+                    plan = RoutingPlan.build(rank, lens, source_layer_numbers=moe, config=config, qkv_format="thd")
                     tok, lay = torch.from_numpy(plan.token_index), torch.from_numpy(plan.layer_index)
                     scatter_routes(gather_routes(ids, valid, tok, lay), tok, lay, out_ids, recorded)
     assert torch.equal(recorded, valid[:, None].expand_as(recorded))

@@ -14,7 +14,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.tensor_parallel.mappings import _split_along_first_dim
 
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, bshd_token_index, padded_lengths, thd_token_index
-from megatron_r3.layers.moe_layers import PipelineSplit
+from tests.support.pipeline import pipeline_config
 
 
 class _Group:
@@ -106,15 +106,29 @@ def test_every_token_lands_on_exactly_one_rank():
 
 
 def test_plan_layers_follow_pipeline_chunk():
-    split = PipelineSplit(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = pipeline_config(8, pp=2, vp=2)
     source_layers = (2, 3, 5, 6, 8)  # dense layers 1, 4, 7
     plan = RoutingPlan.build(RankLayout(pp_rank=1, vp_stage=1), [3, 4], source_layer_numbers=source_layers,
-                             split=split)
+                             config=config)
     assert plan.layer_numbers == (8,)
     assert plan.layer_index.tolist() == [4]
     plan = RoutingPlan.build(RankLayout(pp_rank=0, vp_stage=0), [3, 4], source_layer_numbers=source_layers,
-                             split=split)
+                             config=config)
     assert plan.layer_numbers == (2,) and plan.num_local_tokens == 8 and plan.num_source_tokens == 7
+
+
+def test_plan_layers_follow_uneven_interleaved_chunks():
+    # 12 layers, pp=4, vp=2, 2 on the first and 2 on the last rank: chunk (pp, vp) builds
+    # (0,0) [1], (1,0) [2,3], (2,0) [4,5], (3,0) [6], (0,1) [7], (1,1) [8,9], (2,1) [10,11], (3,1) [12].
+    config = pipeline_config(12, pp=4, vp=2, first=2, last=2)
+    source_layers = (2, 3, 5, 6, 8, 9, 11, 12)  # dense layers 1, 4, 7, 10
+    expected = {(0, 0): (), (1, 0): (2, 3), (2, 0): (5,), (3, 0): (6,),
+                (0, 1): (), (1, 1): (8, 9), (2, 1): (11,), (3, 1): (12,)}
+    for (pp_rank, vp_stage), layers in expected.items():
+        rank = RankLayout(pp_rank=pp_rank, vp_stage=vp_stage)
+        plan = RoutingPlan.build(rank, [3], source_layer_numbers=source_layers, config=config)
+        assert plan.layer_numbers == layers
+        assert plan.layer_index.tolist() == [source_layers.index(n) for n in layers]
 
 
 def test_bad_layouts_are_errors():
@@ -132,11 +146,11 @@ def test_bad_layouts_are_errors():
 def test_chunk_plans_cover_every_moe_layer_once():
     from megatron_r3.dataplane.plan import chunk_plans
 
-    split = PipelineSplit(num_layers=12, pipeline_model_parallel_size=3, virtual_pipeline_model_parallel_size=2)
+    config = pipeline_config(12, pp=3, vp=2)
     moe = (2, 3, 5, 6, 7, 9, 10, 12)
     seen = []
     for pp_rank in range(3):
-        plans = chunk_plans(RankLayout(pp_rank=pp_rank, cp_size=2), [9, 4], source_layer_numbers=moe, split=split,
+        plans = chunk_plans(RankLayout(pp_rank=pp_rank, cp_size=2), [9, 4], source_layer_numbers=moe, config=config,
                             qkv_format="thd")
         assert len(plans) == 2
         seen += [n for p in plans for n in p.layer_numbers]

@@ -25,7 +25,7 @@ from tests.support.planted import unchecked_writer
 def make_sample(rng, n, spec, with_routes=True, with_logprobs=True, index=0):
     routes = None
     if with_routes:
-        ids = np.argsort(rng.random((n, len(spec.moe_layer_numbers), spec.num_experts)), axis=2)[:, :, : spec.topk]
+        ids = np.argsort(rng.random((n, len(spec.model_moe_layers), spec.num_experts)), axis=2)[:, :, : spec.topk]
         ids[rng.random(n) < 0.2] = -1  # tokens without a route
         routes = from_array(ids, spec)
     return RolloutSample(
@@ -52,12 +52,12 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("num_experts", [8, 256, 300])
 def test_round_trip(tmp_path, num_experts):
-    spec = RoutingSpec(num_layers=4, moe_layer_numbers=(2, 3, 4), num_experts=num_experts, topk=4)
+    spec = RoutingSpec(num_layers=4, model_moe_layers=(2, 3, 4), num_experts=num_experts, topk=4)
     rng = np.random.default_rng(num_experts)
     samples = [make_sample(rng, int(n), spec, with_routes=i % 3 != 1, with_logprobs=i % 2 == 0, index=i)
                for i, n in enumerate(rng.integers(0, 50, 12))]
     path = tmp_path / "rollouts.r3d"
-    with RolloutDumpWriter(path, num_experts=num_experts, topk=4, layer_numbers=spec.moe_layer_numbers) as w:
+    with RolloutDumpWriter(path, num_experts=num_experts, topk=4, layer_numbers=spec.model_moe_layers) as w:
         for s in samples:
             w.write(s)
     with RolloutDumpReader(path) as r:
@@ -69,7 +69,7 @@ def test_round_trip(tmp_path, num_experts):
 
 
 def test_streaming_reads_one_record_at_a_time():
-    spec = RoutingSpec(num_layers=2, moe_layer_numbers=(1, 2), num_experts=64, topk=8)
+    spec = RoutingSpec(num_layers=2, model_moe_layers=(1, 2), num_experts=64, topk=8)
     rng = np.random.default_rng(1)
     buffer = io.BytesIO()
     w = RolloutDumpWriter(buffer, num_experts=64, topk=8, layer_numbers=(1, 2))
@@ -85,7 +85,7 @@ def test_streaming_reads_one_record_at_a_time():
 
 
 def test_bad_files_fail_loudly(tmp_path):
-    spec = RoutingSpec(num_layers=2, moe_layer_numbers=(1, 2), num_experts=16, topk=2)
+    spec = RoutingSpec(num_layers=2, model_moe_layers=(1, 2), num_experts=16, topk=2)
     rng = np.random.default_rng(2)
     buffer = io.BytesIO()
     w = RolloutDumpWriter(buffer, num_experts=16, topk=2, layer_numbers=(1, 2))
@@ -101,7 +101,7 @@ def test_bad_files_fail_loudly(tmp_path):
         list(RolloutDumpReader(io.BytesIO(bytes(corrupt))))
     with pytest.raises(RolloutDumpError, match="not a megatron-r3 rollout dump"):
         RolloutDumpReader(io.BytesIO(b"PK\x03\x04" + data[4:]))
-    other = RoutingSpec(num_layers=3, moe_layer_numbers=(1, 2, 3), num_experts=16, topk=2)
+    other = RoutingSpec(num_layers=3, model_moe_layers=(1, 2, 3), num_experts=16, topk=2)
     with pytest.raises(RolloutDumpError, match="do not fit the dump"):
         w.write(make_sample(rng, 5, other))
     with pytest.raises(RolloutDumpError, match="loss_mask"):
@@ -120,7 +120,7 @@ def test_reader_validates_routes():
 
 
 def test_routes_take_the_ids_and_one_valid_byte_per_token():
-    spec = RoutingSpec(num_layers=3, moe_layer_numbers=(1, 3), num_experts=300, topk=3)
+    spec = RoutingSpec(num_layers=3, model_moe_layers=(1, 3), num_experts=300, topk=3)
     sample = make_sample(np.random.default_rng(4), 10, spec)
     assert not sample.routes.valid.all()
     with_routes, without = _dump(sample, spec), _dump(dataclasses.replace(sample, routes=None), spec)
@@ -140,7 +140,7 @@ def test_reader_rejects_other_format_versions():
 def _dump(sample, spec):
     buffer = io.BytesIO()
     with RolloutDumpWriter(buffer, num_experts=spec.num_experts, topk=spec.topk,
-                           layer_numbers=spec.moe_layer_numbers) as w:
+                           layer_numbers=spec.model_moe_layers) as w:
         w.write(sample)
     return buffer.getvalue()
 
@@ -164,7 +164,7 @@ def test_synthetic_dump_tool_writes_valid_routed_samples(tmp_path):
 
 # Index, footer and random access.
 
-SPEC = RoutingSpec(num_layers=4, moe_layer_numbers=(2, 4), num_experts=16, topk=2)
+SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=16, topk=2)
 
 
 def _samples(n, seed=6):
@@ -176,7 +176,7 @@ def _samples(n, seed=6):
 def _dump_of(samples, finish=True):
     """The bytes of a dump of ``samples``; without ``finish`` the writer dies before its footer."""
     buffer = io.BytesIO()
-    w = RolloutDumpWriter(buffer, num_experts=SPEC.num_experts, topk=SPEC.topk, layer_numbers=SPEC.moe_layer_numbers)
+    w = RolloutDumpWriter(buffer, num_experts=SPEC.num_experts, topk=SPEC.topk, layer_numbers=SPEC.model_moe_layers)
     for s in samples:
         w.write(s)
     if finish:
@@ -301,7 +301,7 @@ def test_corrupt_footer_is_an_error():
 
 # Refusing a dump that does not fit the model.
 
-FITS = dict(num_experts=16, topk=2, moe_layer_numbers=(2, 4), vocab_size=150000, seq_length=30)
+FITS = dict(num_experts=16, topk=2, model_moe_layers=(2, 4), vocab_size=150000, seq_length=30)
 
 
 def test_a_dump_that_fits_passes_and_its_stats_come_from_the_footer():
@@ -315,7 +315,7 @@ def test_a_dump_that_fits_passes_and_its_stats_come_from_the_footer():
 
 @pytest.mark.parametrize("finish", [True, False], ids=["footer", "scan"])
 @pytest.mark.parametrize("field, change, message", [
-    ("moe_layer_numbers", (1, 2, 3, 4),
+    ("model_moe_layers", (1, 2, 3, 4),
      r"MoE layers: the dump holds routes for MoE layers \(2, 4\), the model's MoE layers are \(1, 2, 3, 4\)"),
     ("num_experts", 32, "experts: the dump holds routes over 16 experts, the model's --num-experts is 32"),
     ("topk", 4, "top-k: the dump holds 2 experts per token, the model's --moe-router-topk is 4"),

@@ -11,16 +11,16 @@ from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import concat_routes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.transport import RouteUploader
-from megatron_r3.layers.moe_layers import PipelineSplit
+from tests.support.pipeline import pipeline_config
 
-SPEC = RoutingSpec(num_layers=8, moe_layer_numbers=(2, 3, 4, 6, 7, 8), num_experts=128, topk=8)
-SPLIT = PipelineSplit(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+SPEC = RoutingSpec(num_layers=8, model_moe_layers=(2, 3, 4, 6, 7, 8), num_experts=128, topk=8)
+CONFIG = pipeline_config(8, pp=2, vp=2)
 
 
 def microbatch(rng, lens, spec=SPEC):
     samples = []
     for i, n in enumerate(lens):
-        ids = np.argsort(rng.random((n, len(spec.moe_layer_numbers), spec.num_experts)), axis=2)[:, :, : spec.topk]
+        ids = np.argsort(rng.random((n, len(spec.model_moe_layers), spec.num_experts)), axis=2)[:, :, : spec.topk]
         ids[rng.random(n) < 0.1] = -1  # tokens without a route: the live router decides them
         samples.append(from_array(ids, spec, sample=i))
     return samples
@@ -29,7 +29,7 @@ def microbatch(rng, lens, spec=SPEC):
 def chunk_plans(lens, rank_kw, qkv_format="thd"):
     return [
         RoutingPlan.build(RankLayout(pp_rank=1, vp_stage=vp, **rank_kw), lens,
-                          source_layer_numbers=SPEC.moe_layer_numbers, split=SPLIT, qkv_format=qkv_format)
+                          source_layer_numbers=SPEC.model_moe_layers, config=CONFIG, qkv_format=qkv_format)
         for vp in range(2)
     ]
 
@@ -53,7 +53,7 @@ def test_cpu_upload_matches_reference():
 
 
 def test_cpu_upload_int16_ids_and_bshd():
-    spec = RoutingSpec(num_layers=8, moe_layer_numbers=SPEC.moe_layer_numbers, num_experts=300, topk=3)
+    spec = RoutingSpec(num_layers=8, model_moe_layers=SPEC.model_moe_layers, num_experts=300, topk=3)
     rng = np.random.default_rng(4)
     lens = [17, 3, 30]
     samples = microbatch(rng, lens, spec)

@@ -8,7 +8,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layers.context_parallel import thd_zigzag_index, zigzag_positions
+from megatron_r3.layers.context_parallel import zigzag_placement
 from megatron_r3.layers.core_attention import ContextParallelDotProductAttention
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
@@ -16,26 +16,6 @@ from tests.support.parallel import Layout, init_parallel
 HEADS, GROUPS, DIM = 4, 2, 8
 BATCH, SEQ = 2, 16
 THD_LENGTHS = [5, 12, 1, 7]
-
-
-def test_zigzag_positions():
-    assert zigzag_positions(8, 1, 0).tolist() == list(range(8))
-    # 16 tokens, CP=2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
-    assert zigzag_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-
-
-def test_thd_zigzag_index():
-    cu_padded = torch.tensor([0, 8, 12], dtype=torch.int32)
-    index, seq, pos = thd_zigzag_index(cu_padded, 2, 0)
-    assert index.tolist() == [0, 1, 6, 7, 8, 11]
-    assert seq.tolist() == [0, 0, 0, 0, 1, 1]
-    assert pos.tolist() == [0, 1, 6, 7, 0, 3]
-    index, _, _ = thd_zigzag_index(cu_padded, 2, 1)
-    assert index.tolist() == [2, 3, 4, 5, 9, 10]
-    index, _, pos = thd_zigzag_index(cu_padded, 1, 0)
-    assert index.tolist() == list(range(12))
-    assert pos.tolist() == [*range(8), *range(4)]
 
 
 def _reference(q, k, v):
@@ -81,7 +61,7 @@ def bshd_worker(cp: int):
     device = init_parallel(Layout(cp=cp))
     rank = torch.distributed.get_rank()
     q, k, v, grad_out = _full_inputs((SEQ, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM))
-    pos = zigzag_positions(SEQ // cp, cp, rank)
+    pos = zigzag_placement(torch.tensor([0, SEQ]), cp, rank, SEQ // cp).position
     local = _run_local(_module(cp), device, q[pos], k[pos], v[pos], grad_out[pos])
     return pos, local
 
@@ -93,7 +73,7 @@ def thd_worker(cp: int):
     cu, cu_padded = _packed_offsets(cp)
     total = int(cu_padded[-1])
     q, k, v, grad_out = _full_inputs((total, HEADS, DIM), (total, GROUPS, DIM))
-    index, seq, pos = thd_zigzag_index(cu_padded, cp, rank)
+    index, seq, pos = zigzag_placement(cu_padded, cp, rank, total // cp)
     # No gradient flows in from padding tokens, as with a loss mask.
     real = pos < (cu[1:] - cu[:-1])[seq]
     params = PackedSeqParams(

@@ -1,37 +1,19 @@
-"""MoE layer numbering and pipeline chunk ranges, checked against Megatron itself."""
-
-import itertools
+"""MoE layer numbering, and the layers each pipeline chunk builds (Megatron's split, checked by hand)."""
 
 import pytest
-import torch
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_r3.layers.moe_layers import (
-    PipelineSplit,
-    chunk_moe_layer_numbers,
-    config_moe_layer_numbers,
-    moe_layer_numbers,
-    moe_layer_pattern,
-)
+from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, moe_layer_pattern
+from tests.support.pipeline import pipeline_config
 
 
 def test_moe_layer_freq_int_and_list():
-    assert moe_layer_numbers(6, 1) == (1, 2, 3, 4, 5, 6)
-    assert moe_layer_numbers(6, 2) == (1, 3, 5)  # layer index 0 is MoE, like Megatron's specs
-    assert moe_layer_numbers(5, [0, 0, 1, 1, 1]) == (3, 4, 5)  # dense-first
+    assert model_moe_layers(6, 1) == (1, 2, 3, 4, 5, 6)
+    assert model_moe_layers(6, 2) == (1, 3, 5)  # layer index 0 is MoE, like Megatron's specs
+    assert model_moe_layers(5, [0, 0, 1, 1, 1]) == (3, 4, 5)  # dense-first
     with pytest.raises(ValueError):
         moe_layer_pattern(4, [1, 1, 1])
     with pytest.raises(ValueError):
         moe_layer_pattern(4, 0)
-
-
-def _config(**kw):
-    base = dict(num_layers=kw.pop("num_layers"), hidden_size=64, num_attention_heads=4,
-                pipeline_dtype=torch.float32, num_moe_experts=4, moe_router_topk=2)
-    base.update(kw)
-    return TransformerConfig(**base)
 
 
 def _cases():
@@ -49,58 +31,57 @@ def _cases():
 
 
 @pytest.mark.parametrize("case", list(_cases()))
-def test_pipeline_ranges_match_megatron(case):
+def test_chunks_build_every_layer_once_in_pipeline_order(case):
+    """Chunks in schedule order (virtual stage, then pipeline rank) build layers 1..n, each once, in order."""
     n, pp, vp, first, last, embed, loss = case
-    config = _config(
-        num_layers=n, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
-        account_for_embedding_in_pipeline_split=embed, account_for_loss_in_pipeline_split=loss,
-    )
-    split = PipelineSplit.from_config(config)
-    covered = []
-    for pp_rank, vp_stage in itertools.product(range(pp), range(vp) if vp else [None]):
-        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        assert split.layer_range(pp_rank, vp_stage) == range(offset, offset + count), (pp_rank, vp_stage)
-        covered.extend(split.layer_range(pp_rank, vp_stage))
-    assert sorted(covered) == list(range(n))
+    config = pipeline_config(n, pp, vp, first, last, account_for_embedding_in_pipeline_split=embed,
+                             account_for_loss_in_pipeline_split=loss)
+    built = [n for stage in chunk_vp_stages(config) for rank in range(pp) for n in chunk_layers(config, rank, stage)]
+    assert built == list(range(1, n + 1))
 
 
-def test_chunk_layer_numbers_skip_dense_layers():
-    config = _config(num_layers=8, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                     moe_layer_freq=[0, 1, 0, 1, 1, 1, 0, 1])
-    split = PipelineSplit.from_config(config)
-    moe = config_moe_layer_numbers(config)
-    assert moe == (2, 4, 5, 6, 8)
-    chunks = {(p, v): chunk_moe_layer_numbers(moe, split, p, v) for p in range(2) for v in range(2)}
+def test_uneven_stages_with_interleaving_by_hand():
+    # 12 layers, pp=4, vp=2, 2 on the first and 2 on the last rank: per virtual stage 1 + 2 + 2 + 1 layers.
+    config = pipeline_config(12, pp=4, vp=2, first=2, last=2)
+    got = {(p, v): list(chunk_layers(config, p, v)) for p in range(4) for v in range(2)}
+    assert got == {(0, 0): [1], (1, 0): [2, 3], (2, 0): [4, 5], (3, 0): [6],
+                   (0, 1): [7], (1, 1): [8, 9], (2, 1): [10, 11], (3, 1): [12]}
+    # 14 layers, pp=4, vp=2, 2 on the last rank: the middle 12 split 2 per chunk over ranks 0-2.
+    config = pipeline_config(14, pp=4, vp=2, last=2)
+    got = {(p, v): list(chunk_layers(config, p, v)) for p in range(4) for v in range(2)}
+    assert got == {(0, 0): [1, 2], (1, 0): [3, 4], (2, 0): [5, 6], (3, 0): [7],
+                   (0, 1): [8, 9], (1, 1): [10, 11], (2, 1): [12, 13], (3, 1): [14]}
+    # 10 layers, pp=4, 1 on the first and 3 on the last rank, no interleaving.
+    config = pipeline_config(10, pp=4, first=1, last=3)
+    assert [list(chunk_layers(config, p)) for p in range(4)] == [[1], [2, 3, 4], [5, 6, 7], [8, 9, 10]]
+
+
+def test_interleaved_chunks_by_hand():
     # Stage 0: layers [1,2] [5,6]; stage 1: [3,4] [7,8].
-    assert chunks == {(0, 0): (2,), (1, 0): (4,), (0, 1): (5, 6), (1, 1): (8,)}
+    config = pipeline_config(8, pp=2, vp=2)
+    assert chunk_vp_stages(config) == [0, 1]
+    got = {(p, v): list(chunk_layers(config, p, v)) for p in range(2) for v in range(2)}
+    assert got == {(0, 0): [1, 2], (1, 0): [3, 4], (0, 1): [5, 6], (1, 1): [7, 8]}
+    assert chunk_vp_stages(pipeline_config(8)) == [None] and chunk_layers(pipeline_config(8), 0) == range(1, 9)
 
 
-def test_custom_pipeline_layout_matches_megatron(monkeypatch):
-    from types import SimpleNamespace
+def test_chunks_outside_the_pipeline_are_errors():
+    config = pipeline_config(8, pp=2, vp=2)
+    with pytest.raises(ValueError, match="pp_rank 2"):
+        chunk_layers(config, 2, 0)
+    with pytest.raises(ValueError, match="vp_stage 2"):
+        chunk_layers(config, 0, 2)
 
+
+def test_custom_pipeline_layout_by_hand(monkeypatch):
     from megatron.core import parallel_state
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
     # pp=2, vp=2: stages in order (pp0,vp0) (pp1,vp0) (pp0,vp1) (pp1,vp1); 9 decoder layers, uneven.
-    layout = PipelineParallelLayerLayout("Ett|ttt|t|tttL", pipeline_model_parallel_size=2)
     monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
-    config = SimpleNamespace(
-        num_layers=9, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-        num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
-        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-        pipeline_model_parallel_layout=layout,
-    )
-    split = PipelineSplit.from_config(config)
-    covered = []
-    for pp_rank in range(2):
-        for vp_stage in range(2):
-            offset = layout.get_layer_offset(vp_stage=vp_stage, pp_rank=pp_rank)
-            count = layout.get_num_layers_to_build(vp_stage=vp_stage, pp_rank=pp_rank)
-            assert split.layer_range(pp_rank, vp_stage) == range(offset, offset + count)
-            covered.extend(split.layer_range(pp_rank, vp_stage))
-    assert sorted(covered) == list(range(9))
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)  # not the rank asked about
+    config = pipeline_config(9, pp=2, pipeline_model_parallel_layout="Ett|ttt|t|tttL")
+    got = {(p, v): list(chunk_layers(config, p, v)) for p in range(2) for v in range(2)}
+    assert got == {(0, 0): [1, 2], (1, 0): [3, 4, 5], (0, 1): [6], (1, 1): [7, 8, 9]}
 
 
 def test_moe_layer_freq_flag_parses_like_megatron():

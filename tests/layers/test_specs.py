@@ -7,7 +7,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.layers.core_attention import ContextParallelDotProductAttention
 from megatron_r3.layers.norm import SequenceParallelNorm
-from megatron_r3.layers.specs import get_gpt_layer_r3_spec, moe_layer_pattern
+from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec, get_gpt_layer_r3_spec
 
 
 def _config(**fields):
@@ -28,14 +28,21 @@ def test_dense_and_moe_layer_specs():
     assert qk.q_layernorm is SequenceParallelNorm and qk.k_layernorm is SequenceParallelNorm
 
 
-def test_moe_layer_pattern():
-    assert moe_layer_pattern(_config()) == [0, 0, 0, 0]
-    assert moe_layer_pattern(_config(num_moe_experts=4, moe_layer_freq=2)) == [1, 0, 1, 0]
+def _mlp_kinds(config):
+    """Each layer's MLP in the block spec, "moe" (a partial of MoELayer) or "dense"."""
+    block = get_gpt_decoder_block_r3_spec(config, pp_rank=0)
+    mlps = [layer.submodules.mlp for layer in block.layer_specs]
+    return ["moe" if getattr(mlp, "func", None) is MoELayer else "dense" for mlp in mlps]
+
+
+def test_decoder_block_follows_the_moe_layer_pattern():
+    assert _mlp_kinds(_config()) == ["dense"] * 4
+    assert _mlp_kinds(_config(num_moe_experts=4, moe_layer_freq=2)) == ["moe", "dense", "moe", "dense"]
     pattern = [0, 1, 1, 0]
-    assert moe_layer_pattern(_config(num_moe_experts=4, moe_layer_freq=pattern)) == pattern
+    assert _mlp_kinds(_config(num_moe_experts=4, moe_layer_freq=pattern)) == ["dense", "moe", "moe", "dense"]
 
 
-def test_moe_layer_pattern_rejects_a_bad_list():
+def test_decoder_block_rejects_a_bad_moe_layer_list():
     config = _config(num_moe_experts=4, moe_layer_freq=[0, 1, 2, 0])
     with pytest.raises(ValueError, match="moe_layer_freq"):
-        moe_layer_pattern(config)
+        get_gpt_decoder_block_r3_spec(config, pp_rank=0)

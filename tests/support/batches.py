@@ -14,7 +14,7 @@ Slicing per layout:
 * BSHD context parallelism: Megatron's own ``get_batch_on_this_cp_rank``;
 * packed THD: sequences padded to a multiple of ``2 * cp`` (times ``tp`` with SP),
   packed, and each rank keeps its zigzag chunks sequence by sequence
-  (:func:`megatron_r3.layers.context_parallel.thd_zigzag_index`);
+  (:func:`megatron_r3.layers.context_parallel.zigzag_placement`);
 * sequence parallelism slices inside the model (after the embedding).
 """
 
@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_r3.layers.context_parallel import thd_zigzag_index
+from megatron_r3.layers.context_parallel import zigzag_placement
 
 
 @dataclasses.dataclass
@@ -187,7 +187,7 @@ def thd_microbatches(
             padded.append(length + pad)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-        index, _, _ = thd_zigzag_index(cu_padded, cp_size, cp_rank)
+        index = zigzag_placement(cu_padded, cp_size, cp_rank, sum(padded) // cp_size).index
         batch = {k: torch.cat(v)[index].unsqueeze(0) for k, v in fields.items()}
         params = PackedSeqParams(
             qkv_format="thd",

@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_r3.dataplane.expert_counts import ExpertCountExchange
-from megatron_r3.routing_replay import moe_layer_numbers, moe_routing_for_chunk
+from megatron_r3.routing_replay import chunk_moe_layers, moe_routing_for_chunk
 from tests.support.harness import Step, run_layout
 from tests.support.parallel import Layout
 from tests.support.routes import router_token_index
@@ -43,7 +43,7 @@ def random_forced_routes(model, num_tokens: int, seed: int, no_route_every: int 
 def chunk_expert_ids(chunk, token_index: torch.Tensor, forced: dict) -> torch.Tensor:
     """This chunk's ``[num_moe_layers, len(token_index), k]`` routes; -1 rows for padding."""
     rows = []
-    for layer_number in moe_layer_numbers(chunk):
+    for layer_number in chunk_moe_layers(chunk):
         experts = forced[layer_number - 1][token_index.clamp(min=0).cpu()]
         experts[token_index.cpu() < 0] = -1
         rows.append(experts)
