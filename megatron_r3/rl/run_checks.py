@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_records
+from megatron_r3.dataplane.dump_checks import check_records
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.layers.moe_layers import PipelineSplit, moe_layer_numbers, parse_moe_layer_freq
 
 
@@ -206,7 +207,7 @@ def check_dump_records(reader: RolloutDumpReader) -> str:
     """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
 
     Every record's CRC, routes, log-probs and loss fields are checked
-    (:func:`~megatron_r3.dataplane.rollout_dump.check_records`), one record in memory at a time.
+    (:func:`~megatron_r3.dataplane.dump_checks.check_records`), one record in memory at a time.
     Call it on every rank.
 
     Returns:
