@@ -450,7 +450,7 @@ def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
 # The checks themselves, without ranks.
 
 def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path):
-    from megatron_r3.rl.checkpointing import find_checkpoint
+    from megatron_r3.rl.checkpoint_dirs import find_checkpoint
 
     run = tmp_path / "ckpt"
     for iteration in (2, 4):
@@ -477,7 +477,7 @@ def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path)
 
 
 def test_save_directory_probe_leaves_nothing_behind(tmp_path):
-    from megatron_r3.rl.checkpointing import save_directory_problem
+    from megatron_r3.rl.checkpoint_dirs import save_directory_problem
 
     assert save_directory_problem(str(tmp_path / "new" / "ckpt")) is None
     assert save_directory_problem(str(tmp_path)) is None

@@ -24,13 +24,9 @@ from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.layers.moe_layers import PipelineSplit
 from megatron_r3.rl.arguments import complete_args
-from megatron_r3.rl.checkpointing import (
-    RNGStateNotRestoredWarning,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    save_directory_problem,
-)
+from megatron_r3.rl.checkpoint_dirs import find_checkpoint, save_directory_problem
+from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
 from megatron_r3.rl.model_factory import build_model, transformer_config
 from megatron_r3.rl.phase_timer import PhaseTimer

@@ -17,14 +17,9 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from megatron_r3.rl.checkpointing import (
-    RNGStateNotRestoredWarning,
-    TRACKER_FILENAME,
-    iteration_dir,
-    latest_iteration,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megatron_r3.rl.checkpoint_dirs import TRACKER_FILENAME, iteration_dir, latest_iteration
+from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_r3.rl.training_stack import add_training_stack_args, build_training_stack
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.harness import full_token_losses
