@@ -159,6 +159,9 @@ def update_pass(passes):
 
 EMBEDDED_LAYOUTS = {name: LAYOUTS[name] for name in ("ep2", "tp2-sp", "cp2")}
 EMBEDDED_LAYOUTS["pp2-vp2"] = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+# Experts whole on each rank (expert-TP 1), spread over the two TP ranks by EP.
+EMBEDDED_LAYOUTS["tp2-sp-ep2-etp1"] = LAYOUTS["tp2-sp"] + ["--expert-model-parallel-size", "2",
+                                                          "--expert-tensor-parallel-size", "1"]
 EMBEDDED_LAYOUTS["pp2-uneven-recompute"] = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                                             "1", "--decoder-last-pipeline-num-layers", "3",
                                             "--recompute-granularity", "full"]
