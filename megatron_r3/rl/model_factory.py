@@ -1,8 +1,9 @@
 """The policy's (and the rollout engine's) TransformerConfig and GPT model chunks, from the flags.
 
-The one place a model is made: the launcher, the benchmarks and the tests build theirs
-here, so all of them run the same layers (:mod:`megatron_r3.layers.specs`, no
-TransformerEngine) under the same settings.
+The one place a GPT is made from settings: the launcher, the benchmarks and the tests
+(``tests/support/tiny_moe.py``, through the same flags) build theirs here, so all of them
+run the same layers (:mod:`megatron_r3.layers.specs`, no TransformerEngine) under the same
+settings.
 """
 
 from __future__ import annotations
