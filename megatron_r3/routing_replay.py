@@ -29,6 +29,7 @@ __all__ = [
     "add_routing_replay_args",
     "chunk_moe_layers",
     "moe_routing_for_chunk",
+    "routing_replay_check_kwargs",
     "routing_replay_config_kwargs",
 ]
 
@@ -100,13 +101,22 @@ def moe_routing_for_chunk(
     )
 
 
-def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-style flags for routing replay (mirrors the TransformerConfig fields)."""
+def add_routing_replay_args(
+    parser: argparse.ArgumentParser, enable_help: Optional[str] = None
+) -> argparse.ArgumentParser:
+    """Megatron-style flags for routing replay (mirrors the TransformerConfig fields).
+
+    Args:
+        parser: Gets a "routing replay" group.
+        enable_help: The help of ``--moe-enable-routing-replay`` where a program gives the flag
+            a meaning of its own (the launcher: train on replayed routes).
+    """
     group = parser.add_argument_group(title="routing replay")
     group.add_argument(
         "--moe-enable-routing-replay",
         action="store_true",
-        help="Let MoE routers replay (R3) or record (R2) per-microbatch expert routes given as "
+        help=enable_help
+        or "Let MoE routers replay (R3) or record (R2) per-microbatch expert routes given as "
         "the moe_routing forward input; rejects options that would ignore the replayed routes.",
     )
     group.add_argument(
@@ -127,9 +137,19 @@ def add_routing_replay_args(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
-    """TransformerConfig keyword arguments from the parsed flags."""
+    """TransformerConfig keyword arguments from the parsed flags, for a loop whose routers take a
+    ``MoERouting`` exactly when ``--moe-enable-routing-replay`` is given.
+
+    (The launcher gives them one in more passes: it decides ``moe_enable_routing_replay`` in
+    :func:`megatron_r3.rl.model_factory.routers_take_moe_routing` and takes the checks from
+    :func:`routing_replay_check_kwargs`.)
+    """
+    return {"moe_enable_routing_replay": args.moe_enable_routing_replay, **routing_replay_check_kwargs(args)}
+
+
+def routing_replay_check_kwargs(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of the replay checks, from their flags."""
     return {
-        "moe_enable_routing_replay": args.moe_enable_routing_replay,
         "moe_routing_replay_check_values": args.moe_routing_replay_check_values,
         "moe_check_host_tokens_per_expert": args.moe_check_host_tokens_per_expert,
     }

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, RolloutDumpWriter
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from tests.support.launcher import run_workers
 from tests.support.planted import snapshot, unchecked_writer
 from tests.test_launch import DUMP_FLAGS, EMBEDDED_FLAGS, EXPERTS, REPO, TOPK, write_dump
@@ -53,6 +54,14 @@ FLAG_CASES = [
     (["--num-query-groups", "3"], "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
     (["--tensor-model-parallel-size", "3"],
      "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size must be >= 1, got 0"),
+    (["--expert-tensor-parallel-size", "3"],
+     "--moe-ffn-hidden-size 128 is not divisible by the experts' tensor-parallel size 3"),
+    (["--tensor-model-parallel-size", "2", "--add-bias-linear"],
+     "--add-bias-linear needs the experts' tensor-parallel size 1 (Megatron has no MoE biases under expert-TP), "
+     "it is 2: pass --expert-tensor-parallel-size 1"),
+    (["--add-bias-linear", "--disable-bias-linear"],
+     "argument --disable-bias-linear: not allowed with argument --add-bias-linear"),
     (["--moe-layer-freq", "0,1"], "--moe-layer-freq 0,1 with --num-layers 8: "),
     (["--num-layers", "7", "--pipeline-model-parallel-size", "2"],
      "--num-layers 7, --pipeline-model-parallel-size 2: num_layers=7 should be divisible by "
@@ -201,13 +210,16 @@ def test_world_size_arithmetic_is_refused_before_the_parallel_state(tmp_path):
                            "--sequence-parallel"], work, None),
         (EMBEDDED_FLAGS + ["--global-batch-size", "6"], work, None),
         (EMBEDDED_FLAGS + ["--rollouts-per-prompt", "4", "--global-batch-size", "4"], work, None),
+        (EMBEDDED_FLAGS + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], work, None),
     ]
     for rank in run_cases(tmp_path, 2, cases):
-        tp_cp, tp_ep, batch, groups = rank
+        tp_cp, tp_ep, batch, groups, etp_ep = rank
         assert_refused(tp_cp, "2 ranks do not divide into --tensor-model-parallel-size 2 x "
                               "--pipeline-model-parallel-size 1 x --context-parallel-size 2 = 4")
         assert_refused(tp_ep, "2 ranks do not divide into --tensor-model-parallel-size 2 x "
                               "--expert-model-parallel-size 2 x --pipeline-model-parallel-size 1 = 4")
+        assert_refused(etp_ep, "2 ranks do not divide into --expert-tensor-parallel-size 2 x "
+                               "--expert-model-parallel-size 2 x --pipeline-model-parallel-size 1 = 4")
         assert_refused(batch, "--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size "
                               "2 = 4")
         assert_refused(groups, "each data-parallel rank's 2 samples (--global-batch-size 4 / data-parallel size 2) "
@@ -456,7 +468,7 @@ def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
 # The checks themselves, without ranks.
 
 def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path):
-    from megatron_r3.rl.checkpointing import find_checkpoint
+    from megatron_r3.rl.checkpoint_dirs import find_checkpoint
 
     run = tmp_path / "ckpt"
     for iteration in (2, 4):
@@ -483,7 +495,7 @@ def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path)
 
 
 def test_save_directory_probe_leaves_nothing_behind(tmp_path):
-    from megatron_r3.rl.checkpointing import save_directory_problem
+    from megatron_r3.rl.checkpoint_dirs import save_directory_problem
 
     assert save_directory_problem(str(tmp_path / "new" / "ckpt")) is None
     assert save_directory_problem(str(tmp_path)) is None

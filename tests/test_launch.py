@@ -159,6 +159,9 @@ def update_pass(passes):
 
 EMBEDDED_LAYOUTS = {name: LAYOUTS[name] for name in ("ep2", "tp2-sp", "cp2")}
 EMBEDDED_LAYOUTS["pp2-vp2"] = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+# Experts whole on each rank (expert-TP 1), spread over the two TP ranks by EP.
+EMBEDDED_LAYOUTS["tp2-sp-ep2-etp1"] = LAYOUTS["tp2-sp"] + ["--expert-model-parallel-size", "2",
+                                                          "--expert-tensor-parallel-size", "1"]
 EMBEDDED_LAYOUTS["pp2-uneven-recompute"] = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                                             "1", "--decoder-last-pipeline-num-layers", "3",
                                             "--recompute-granularity", "full"]
@@ -290,7 +293,8 @@ def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
 def test_dump_without_rewards_is_refused(tmp_path):
     path = write_synthetic_dump(str(tmp_path / "bare.r3dump"), num_samples=2, num_layers=4,
                                 moe_layer_freq=[0, 1, 0, 1], num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB)
-    from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, RolloutDumpWriter
+    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 
     bare = str(tmp_path / "no-reward.r3dump")
     with RolloutDumpReader(path) as reader, RolloutDumpWriter(

@@ -9,6 +9,7 @@ from megatron_r3.routing_replay import (
     add_routing_replay_args,
     chunk_moe_layers,
     moe_routing_for_chunk,
+    routing_replay_check_kwargs,
     routing_replay_config_kwargs,
 )
 from tests.support.replay import init_single_rank, make_config, make_model, random_routes
@@ -65,4 +66,15 @@ def test_flags_map_to_config_fields():
         "moe_routing_replay_check_values": True,
         "moe_check_host_tokens_per_expert": False,
     }
+    assert routing_replay_check_kwargs(args) == {
+        "moe_routing_replay_check_values": True,
+        "moe_check_host_tokens_per_expert": False,
+    }
     make_config(**routing_replay_config_kwargs(parser.parse_args(["--moe-enable-routing-replay"])))
+
+
+def test_a_program_gives_the_enable_flag_its_own_help():
+    generic, own = (" ".join(add_routing_replay_args(argparse.ArgumentParser(), **kw).format_help().split())
+                    for kw in ({}, {"enable_help": "train on replayed routes"}))
+    assert "given as the moe_routing forward input" in generic and "train on replayed routes" not in generic
+    assert "train on replayed routes" in own and "given as the moe_routing forward input" not in own

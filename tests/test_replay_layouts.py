@@ -185,20 +185,20 @@ def test_forward_only_recording_is_replayed_by_the_training_step(layout, data, m
 
 
 VARIANTS = {
-    "sigmoid_expert_bias": (
-        ("moe_router_score_function", "sigmoid"),
-        ("moe_router_enable_expert_bias", True),
+    "sigmoid_expert_bias": Step(
+        flags=("--moe-router-score-function", "sigmoid"),
+        config_fields=(("moe_router_enable_expert_bias", True),),
     ),
-    "group_limited_pre_softmax_scaled": (
+    "group_limited_pre_softmax_scaled": Step(config_fields=(
         ("moe_router_pre_softmax", True),
         ("moe_router_num_groups", 2),
         ("moe_router_group_topk", 1),
         ("moe_router_topk_scaling_factor", 2.0),
-    ),
-    "aux_and_seq_aux_loss": (
+    )),
+    "aux_and_seq_aux_loss": Step(config_fields=(
         ("moe_router_load_balancing_type", ["aux_loss", "seq_aux_loss"]),
         ("moe_aux_loss_coeff", [0.1, 0.1]),
-    ),
+    )),
 }
 VARIANT_LAYOUTS = [
     Layout(ep=2, dp=2, dispatcher="alltoall", recompute="selective"),
@@ -220,7 +220,7 @@ def test_router_variants_replay_under_layouts(variant):
     """Score functions and aux losses: forced routes, same losses and grads as one rank
     (the aux losses see the replayed routes on every rank)."""
     forced = random_forced_routes(MODEL, BSHD_DATA.num_tokens, 13)
-    step = Step(config_overrides=VARIANTS[variant])
+    step = VARIANTS[variant]
     (result,) = run_workers(run_replay_layout, 1, Layout(), BSHD_DATA, step, forced)
     reference = (
         full_token_losses([result], BSHD_DATA.num_tokens),

@@ -16,7 +16,7 @@ from tests.support.parallel import Layout, init_parallel
 from tests.support.replay_layouts import _counts, chunk_expert_ids, host_count_exchange, random_forced_routes
 from tests.support.routes import router_token_index
 from tests.support.schedule import loss_func
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +49,7 @@ def step_worker(layout, host_counts, debug_mode):
     """One forward+backward of prepared microbatches under ``set_sync_debug_mode(debug_mode)``."""
     device = init_parallel(layout)
     try:
-        config = make_config(layout, MODEL, moe_enable_routing_replay=True)
-        (chunk,) = build_gpt(config, MODEL, seed=0, device=device)
+        config, (chunk,) = build_gpt(layout, MODEL, seed=0, device=device, flags=["--moe-enable-routing-replay"])
         exchange = host_count_exchange(config)["exchange"]
         prepared = []
         for mb in layout_microbatches(layout, DATA, 2, device):

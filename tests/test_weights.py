@@ -5,7 +5,7 @@ import torch
 
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 from tests.support.weights import assemble, load_full, param_values
 
 MODEL = TinyMoE()
@@ -14,7 +14,7 @@ MODEL = TinyMoE()
 def sharded_weights(layout: Layout, seed: int, full=None):
     """This rank's parameters as (Shard, value), built from ``seed`` or loaded from ``full``."""
     init_parallel(layout)
-    chunks = build_gpt(make_config(layout, MODEL), MODEL, seed)
+    _, chunks = build_gpt(layout, MODEL, seed)
     if full is not None:
         load_full(chunks, full)
     return param_values(chunks)

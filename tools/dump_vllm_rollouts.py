@@ -87,9 +87,9 @@ from typing import Any, Iterator, Optional, TextIO
 
 import numpy as np
 
+from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.engine_samples import sglang_samples, vllm_samples
 from megatron_r3.dataplane.output_files import atomic_output
-from megatron_r3.dataplane.rollout_dump import RolloutDumpWriter
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq

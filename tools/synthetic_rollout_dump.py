@@ -23,7 +23,7 @@ from typing import Sequence, Union
 import numpy as np
 
 from megatron_r3.dataplane.output_files import atomic_output
-from megatron_r3.dataplane.rollout_dump import RolloutDumpWriter
+from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq

@@ -2,7 +2,7 @@
 
 An RL loop that runs the rollout engine in-process hands the engine's own
 objects to these functions and writes the result with
-:class:`~megatron_r3.dataplane.rollout_dump.RolloutDumpWriter` (or feeds it to the
+:class:`~megatron_r3.dataplane.dump_writer.RolloutDumpWriter` (or feeds it to the
 trainer directly). They read the engines' documented fields only (duck-typed),
 so real vLLM objects, SGLang response dicts and look-alikes all work:
 

@@ -39,6 +39,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
     model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
     model.add_argument("--init-method-std", type=float, default=0.15, help="std of the normal weight init")
+    bias = model.add_mutually_exclusive_group()
+    bias.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_true",
+                      help="biases in the linear layers (Megatron-LM's default; off here, as in most MoE models; "
+                           "MoE biases need expert-TP 1)")
+    bias.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                      help="no biases in the linear layers: the default here (Megatron-LM's flag, accepted)")
     model.add_argument("--vocab-size", type=int, default=None,
                        help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
@@ -55,13 +61,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parallel.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     parallel.add_argument("--context-parallel-size", type=int, default=1)
     parallel.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                          help="tensor parallelism of the experts (default: --tensor-model-parallel-size)")
     parallel.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     parallel.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     parallel.add_argument("--recompute-num-layers", type=int, default=1)
 
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,
-                          help="train on this rollout dump (megatron_r3.dataplane.rollout_dump) instead of the built-in engine")
+                          help="train on this rollout dump (megatron_r3.dataplane.rollout_dump) instead of the "
+                               "built-in engine")
     training.add_argument("--allow-truncated-rollout-dump", action="store_true",
                           help="train on a --rollout-dump without its footer (its writer did not finish, or the file "
                                "was cut), on the whole samples it holds, with a warning; refused by default")
@@ -122,10 +131,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "with a host sync per MoE layer (for comparison; see docs/routing_replay.md)")
     rl.add_argument("--r3-compare", action=argparse.BooleanOptionalAction, default=None,
                     help="one more forward-only pass per iteration in the other routing mode, to report the "
-                         "mismatch with and without replay (default: on without --rollout-dump)")
+                         "mismatch with and without replay; training live, its routers then take the rollout's "
+                         "routes, so the model is built for them (default: on without --rollout-dump)")
     add_training_stack_args(parser)
     add_profiling_args(parser)
-    add_routing_replay_args(parser)
+    add_routing_replay_args(parser, enable_help=(
+        "train on replayed routes: the update pass replays the rollout engine's routes (or, with "
+        "--routing-replay-mode r2, those of the trainer's own old-log-prob pass), its routers built to take "
+        "them; without it the trainer routes live"))
+    parser.set_defaults(add_bias_linear=False)
     args = parser.parse_args(argv)
     if args.r3_compare is None:
         args.r3_compare = args.rollout_dump is None

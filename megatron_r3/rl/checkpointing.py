@@ -1,41 +1,29 @@
 """Checkpoints of model chunks, their optimizer, its LR schedule and the run's state, through dist_checkpointing.
 
-Layout on disk, as in Megatron-LM::
-
-    DIR/latest_checkpointed_iteration.txt    the last complete checkpoint's iteration
-    DIR/iter_0000010/                        a torch_dist checkpoint (one per saved iteration)
-
-Every rank writes its shards into ``DIR/iter_0000010.saving/``; after all ranks
-are done, rank 0 renames it to ``iter_0000010`` and then replaces the tracker
-file (a temporary file renamed over it). A run killed during a save leaves the
-tracker on the previous complete checkpoint, which is what
-:func:`load_checkpoint` then loads.
-
-Weights are saved through each chunk's ``sharded_state_dict()``: tensors are
-keyed by their global name (layer and expert numbers global, TP/EP slices as
-offsets into the full tensor), so a checkpoint saved under one parallel layout
-(TP, SP, PP, VP, CP, EP, DP) loads under any other. The optimizer (Megatron's,
-:mod:`megatron_r3.rl.training_stack`) saves itself through its own
+A checkpoint lies on disk as in Megatron-LM and is published atomically
+(:mod:`megatron_r3.rl.checkpoint_dirs`). Weights are saved through each chunk's
+``sharded_state_dict()``: tensors are keyed by their global name (layer and expert
+numbers global, TP/EP slices as offsets into the full tensor), so a checkpoint saved
+under one parallel layout (TP, SP, PP, VP, CP, EP, DP) loads under any other. The
+optimizer (Megatron's, :mod:`megatron_r3.rl.training_stack`) saves itself through its own
 ``sharded_state_dict()``: Adam's moments (and the distributed optimizer's fp32 main
 weights) keyed like the parameter they belong to
 (``optimizer.state.exp_avg.<parameter key>``), the distributed optimizer's shards
 gathered into that form (Megatron-LM's ``fully_reshardable`` format), so they follow
-a layout change too.
+a layout change too (:mod:`megatron_r3.rl.checkpoint_optimizer`). Each rank's RNG states
+are saved beside them and restored under the same layout only
+(:mod:`megatron_r3.rl.checkpoint_rng`).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import shutil
-import socket
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -43,111 +31,32 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_or_no
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_r3.rl.checkpoint_dirs import (
+    TRACKER_FILENAME,
+    complete_iterations,
+    is_complete,
+    iteration_dir,
+    latest_iteration,
+    publish,
+    staging_dir,
+    start_staging,
+)
+from megatron_r3.rl.checkpoint_optimizer import OPTIMIZER_METADATA, adam_step, prepare_for_load
+from megatron_r3.rl.checkpoint_rng import (
+    RNGStateNotRestoredWarning,
+    parallel_layout,
+    rng_device,
+    rng_state_object,
+    rng_states,
+    set_rng_states,
+)
 from megatron_r3.rl.training_stack import load_scheduler_state, scheduler_mismatch
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2
-_STAGING_SUFFIX = ".saving"
 _FORMAT_KEY = "megatron_r3_checkpoint_format"
 # Top-level keys of the checkpoint's state dict besides the models'.
 _RESERVED_KEYS = frozenset({_FORMAT_KEY, "iteration", "parallel_layout", "rng_device", "state", "rng_state",
                             "optimizer", "optimizer_step", "optimizer_tensors", "opt_param_scheduler"})
-# How Megatron's optimizers shape their sharded state (Megatron-LM's metadata for torch_dist): the
-# distributed optimizer's in the fully reshardable, per-parameter form; no "chained_<i>." prefixes.
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
-                       "singleton_local_shards": False}
-
-
-class RNGStateNotRestoredWarning(UserWarning):
-    """:func:`load_checkpoint` left this rank's RNG states as they were.
-
-    Per-rank RNG states only map back onto the same ranks: the checkpoint was
-    saved under another parallel layout, or on another device type (CUDA vs CPU).
-    """
-
-
-def iteration_dir(directory: str, iteration: int) -> str:
-    """The checkpoint directory of ``iteration`` under ``directory`` (``iter_0000010``)."""
-    return os.path.join(directory, f"iter_{iteration:07d}")
-
-
-def latest_iteration(directory: str) -> Optional[int]:
-    """The iteration of the last complete checkpoint in ``directory``, or ``None`` if there is none.
-
-    Raises:
-        ValueError: the tracker file does not hold an iteration number.
-    """
-    path = os.path.join(directory, TRACKER_FILENAME)
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path} should hold an iteration number, not {text!r}") from None
-
-
-def save_directory_problem(directory: str) -> Optional[str]:
-    """Why this process could not write checkpoints into ``directory``, or None when it could.
-
-    Creates and removes a probe file in ``directory``, or, while it does not exist, in the
-    nearest folder above it that does (where :func:`save_checkpoint` would create it):
-    the check a run makes on every rank before it trains, so that an unwritable
-    ``--save`` fails at once rather than at the first save. Nothing is left behind.
-    """
-    target = os.path.abspath(directory)
-    while not os.path.exists(target):
-        target = os.path.dirname(target)
-    if not os.path.isdir(target):
-        return f"{target} is a file, not a folder"
-    probe = os.path.join(target, f".write_probe.{socket.gethostname()}.{os.getpid()}")
-    try:
-        with open(probe, "x"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        return f"cannot create a file in {target} ({type(error).__name__}: {error.strerror or error})"
-    return None
-
-
-def find_checkpoint(path: str) -> tuple[str, int]:
-    """The checkpoint ``path`` names, as ``(run directory, iteration)``.
-
-    ``path`` is a run's checkpoint directory (its latest complete checkpoint, by the tracker
-    file) or one iteration folder in it (``DIR/iter_0000010``: that iteration of ``DIR``).
-
-    Raises:
-        FileNotFoundError: ``path`` holds no checkpoint yet: it does not exist, or has no
-            tracker file (a run that has not saved).
-        ValueError: ``path`` is a file; an iteration folder that is not a complete checkpoint
-            (naming its run directory and the complete iterations there); a tracker that
-            names an iteration whose checkpoint is not complete.
-    """
-    normal = os.path.normpath(path)
-    parent, name = os.path.split(normal)
-    if name.startswith("iter_"):
-        complete = _complete_iterations(parent)
-        iteration = int(name[5:]) if name[5:].isdigit() else None
-        if iteration in complete and normal == os.path.normpath(iteration_dir(parent, iteration)):
-            return parent, iteration
-        raise ValueError(f"{path} is not a complete checkpoint; its run's checkpoint directory is {parent or '.'} "
-                         f"(complete iterations there: {complete})")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint in {path}: the directory does not exist")
-    if not os.path.isdir(path):
-        raise ValueError(f"{path} is a file, not a checkpoint directory")
-    iteration = latest_iteration(path)
-    if iteration is None:
-        complete = _complete_iterations(path)
-        raise FileNotFoundError(f"no checkpoint in {path}: it has no {TRACKER_FILENAME}"
-                                + (f" (complete iterations {complete} are there: name one, e.g. "
-                                   f"{iteration_dir(path, complete[-1])})" if complete else ""))
-    if not _is_complete(iteration_dir(path, iteration)):
-        raise ValueError(f"{os.path.join(path, TRACKER_FILENAME)} names iteration {iteration}, whose checkpoint is "
-                         f"not complete (complete iterations: {_complete_iterations(path)})")
-    return path, iteration
 
 
 def save_checkpoint(
@@ -186,34 +95,31 @@ def save_checkpoint(
     sharded = {
         _FORMAT_KEY: FORMAT_VERSION,
         "iteration": iteration,
-        "parallel_layout": _parallel_layout(),
-        "rng_device": _rng_device(),
+        "parallel_layout": parallel_layout(),
+        "rng_device": rng_device(),
         "state": _common_object(state),
-        "rng_state": _rank_object("rng_state", _rng_states()),
+        "rng_state": rng_state_object(rng_states()),
         **model_state,
     }
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(_policy_state(models, model_state),
-                                                            metadata=_OPTIMIZER_METADATA)
-        sharded["optimizer_step"] = _adam_step(optimizer)
+                                                            metadata=OPTIMIZER_METADATA)
+        sharded["optimizer_step"] = adam_step(optimizer)
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
 
-    final = iteration_dir(directory, iteration)
-    staging = final + _STAGING_SUFFIX
     if dist.get_rank() == 0:
-        # A leftover of an interrupted save of this iteration is incomplete: start afresh.
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
+        start_staging(directory, iteration)
     dist.barrier()
     # Synchronous and not fully parallel: every rank writes its main replicas itself.
-    dist_checkpointing.save(sharded, staging, sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    dist_checkpointing.save(sharded, staging_dir(directory, iteration),
+                            sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
 
     # dist_checkpointing.save ends with a barrier: every rank has written its shards.
     if dist.get_rank() == 0:
-        _publish(directory, iteration, staging, final)
+        publish(directory, iteration)
     dist.barrier()
-    return final
+    return iteration_dir(directory, iteration)
 
 
 def load_checkpoint(
@@ -257,9 +163,9 @@ def load_checkpoint(
             raise FileNotFoundError(f"no checkpoint in {directory}: {TRACKER_FILENAME} is missing"
                                     + ("" if os.path.isdir(directory) else " (the directory does not exist)"))
     path = iteration_dir(directory, iteration)
-    if not _is_complete(path):
+    if not is_complete(path):
         raise FileNotFoundError(f"no checkpoint of iteration {iteration} in {directory}; complete checkpoints: "
-                                f"iterations {_complete_iterations(directory)}")
+                                f"iterations {complete_iterations(directory)}")
     common = dist_checkpointing.load_common_state_dict(path)
     if common.get(_FORMAT_KEY) != FORMAT_VERSION:
         raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {FORMAT_VERSION} "
@@ -275,19 +181,15 @@ def load_checkpoint(
     model_state = _models_sharded_state_dict(models)
     sharded = {"state": _common_object(None), **model_state}
     if optimizer is not None:
-        # Megatron's optimizers keep their parameter groups and Adam's step per member of the
-        # ChainedOptimizer, a split that follows the layout (experts get an optimizer of their own
-        # only under EP > 1 or expert-TP != TP), so that part of "optimizer" loads only under a
-        # layout that splits the same way. The per-parameter tensors are keyed by parameter: this
-        # optimizer loads those into its own structure, keeps its parameter groups (the flags';
-        # the scheduler sets the rate) and takes the checkpoint's step.
-        _prepare_for_load(optimizer, common["optimizer_step"])
+        # Only the per-parameter tensors load, into this optimizer's own structure, at the
+        # checkpoint's step (checkpoint_optimizer says why).
+        prepare_for_load(optimizer, common["optimizer_step"])
         request = optimizer.sharded_state_dict(_policy_state(models, model_state), is_loading=True,
-                                               metadata=_OPTIMIZER_METADATA)
+                                               metadata=OPTIMIZER_METADATA)
         sharded["optimizer_tensors"], optimizer_structure = extract_sharded_tensors_or_nonpersistent(request)
-    same_ranks = common["parallel_layout"] == _parallel_layout() and common["rng_device"] == _rng_device()
+    same_ranks = common["parallel_layout"] == parallel_layout() and common["rng_device"] == rng_device()
     if same_ranks:
-        sharded["rng_state"] = _rank_object("rng_state", None)
+        sharded["rng_state"] = rng_state_object(None)
     _check_tensors_fit(path, sharded)
 
     loaded = dist_checkpointing.load(sharded, path)
@@ -298,42 +200,13 @@ def load_checkpoint(
     if scheduler is not None:
         load_scheduler_state(scheduler, loaded["opt_param_scheduler"])
     if same_ranks:
-        _set_rng_states(loaded["rng_state"])
+        set_rng_states(loaded["rng_state"])
     else:
         warnings.warn(
             f"RNG states not restored from {path}: it was saved under {common['parallel_layout']} on "
-            f"{common['rng_device']}, this run is {_parallel_layout()} on {_rng_device()}; every rank keeps "
+            f"{common['rng_device']}, this run is {parallel_layout()} on {rng_device()}; every rank keeps "
             "its current RNG states", RNGStateNotRestoredWarning, stacklevel=2)
     return iteration, loaded["state"]
-
-
-def _publish(directory: str, iteration: int, staging: str, final: str) -> None:
-    """Rank 0, once every rank has written: the checkpoint takes its name, then the tracker points to it."""
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(staging, final)
-    tracker = os.path.join(directory, TRACKER_FILENAME)
-    temporary = tracker + ".tmp"
-    with open(temporary, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, tracker)
-
-
-def _is_complete(path: str) -> bool:
-    # dist_checkpointing writes metadata.json last, after every rank's shards.
-    return os.path.isfile(os.path.join(path, "metadata.json"))
-
-
-def _complete_iterations(directory: str) -> list[int]:
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        if name.startswith("iter_") and name[5:].isdigit() and _is_complete(os.path.join(directory, name)):
-            found.append(int(name[5:]))
-    return sorted(found)
 
 
 def _chunks_by_key(models: Mapping[str, Sequence[torch.nn.Module]]) -> dict[str, tuple[str, torch.nn.Module]]:
@@ -362,97 +235,9 @@ def _policy_state(models: Mapping[str, Sequence[torch.nn.Module]], model_state: 
     return {key: model_state[key] for key, (prefix, _) in _chunks_by_key(models).items() if not prefix}
 
 
-def _adam_step(optimizer: MegatronOptimizer) -> int:
-    """The steps Adam has taken (the same for every parameter: every one gets a gradient each step)."""
-    steps = set()
-    for inner in _inner_optimizers(optimizer):
-        if isinstance(inner, torch.optim.Adam):  # torch.optim keeps the count per parameter
-            steps |= {int(state["step"]) for state in inner.state.values() if "step" in state}
-        else:  # TransformerEngine's and Apex's FusedAdam per group
-            steps |= {int(group["step"]) for group in inner.param_groups if "step" in group}
-    if len(steps) > 1:
-        raise ValueError(f"cannot save the optimizer: its parameters are at different steps {sorted(steps)}")
-    return steps.pop() if steps else 0
-
-
-def _prepare_for_load(optimizer: MegatronOptimizer, step: int) -> None:
-    """Allocates the optimizer's state as Megatron does before a load, with Adam at ``step``: the
-    load request then carries the step where each of Megatron's optimizers keeps it."""
-    members = getattr(optimizer, "chained_optimizers", [optimizer])
-    for member in members:
-        if member.optimizer is not None:
-            member.init_state_fn(member.optimizer, member.config)
-    for inner in _inner_optimizers(optimizer):
-        for group in inner.param_groups:
-            if not isinstance(inner, torch.optim.Adam):
-                group["step"] = step
-                continue
-            for param in group["params"]:
-                inner.state[param]["step"] = torch.tensor(float(step))
-
-
-def _inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside Megatron's (one per member of its ChainedOptimizer that has parameters)."""
-    members = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [member.optimizer for member in members if member.optimizer is not None]
-
-
-def _parallel_layout() -> dict[str, int]:
-    return {
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-        "ep": parallel_state.get_expert_model_parallel_world_size(),
-        "etp": parallel_state.get_expert_tensor_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-    }
-
-
 def _common_object(data: Any) -> ShardedObject:
     """One object for all ranks: rank 0's copy is saved, every rank loads it."""
     return ShardedObject("state", data, (1,), (0,), replica_id=dist.get_rank())
-
-
-def _rank_object(key: str, data: Any) -> ShardedObject:
-    """One object per rank, at the rank's (pp, tp, cp, dp) coordinates (the layout fixes its EP rank)."""
-    shape = (
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_context_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    offset = (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_context_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
-    )
-    return ShardedObject(key, data, shape, offset, replica_id=0)
-
-
-def _rng_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _rng_states() -> dict:
-    states = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    random.setstate(states["random"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 def _check_tensors_fit(path: str, sharded: dict) -> None:

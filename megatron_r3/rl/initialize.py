@@ -17,14 +17,22 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
 
-def init_model_parallel(args: argparse.Namespace) -> None:
-    """Megatron's parallel state for the flags, on an initialised default process group."""
+def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups: bool = True) -> None:
+    """Megatron's parallel state for the flags, on an initialised default process group.
+
+    Args:
+        args: The flags; only the parallel sizes are read.
+        create_gloo_process_groups: Also build Megatron's gloo copies of its process groups
+            (Megatron-LM's default).
+    """
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        create_gloo_process_groups=create_gloo_process_groups,
     )
 
 

@@ -1,14 +1,14 @@
 """The policy's (and the rollout engine's) TransformerConfig and GPT model chunks, from the flags.
 
-The one place a model is made: the launcher, the benchmarks and the tests build theirs
-here, so all of them run the same layers (:mod:`megatron_r3.layers.specs`, no
-TransformerEngine) under the same settings.
+The one place a GPT is made from settings: the launcher, the benchmarks and the tests
+(``tests/support/tiny_moe.py``, through the same flags) build theirs here, so all of them
+run the same layers (:mod:`megatron_r3.layers.specs`, no TransformerEngine) under the same
+settings.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -17,33 +17,46 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
 from megatron_r3.rl.arguments import layer_freq
-from megatron_r3.routing_replay import routing_replay_config_kwargs
+from megatron_r3.routing_replay import routing_replay_check_kwargs
 
 
-def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: Optional[bool] = None,
-                       routing_replay: Optional[bool] = None) -> TransformerConfig:
+def routers_take_moe_routing(args: argparse.Namespace) -> bool:
+    """Whether the policy's routers take a per-microbatch ``MoERouting`` (``moe_enable_routing_replay``).
+
+    ``--moe-enable-routing-replay`` trains on replayed routes, so its update passes (and R2's
+    old-log-prob pass) need them. ``--r3-compare`` needs them too, for its extra pass in the
+    other routing mode: training live, that pass replays the rollout's routes; training with
+    replay, it records the routes the routers choose. Routers built so route live in a pass
+    that gives them no routes, so a live update pass is unchanged by it.
+    """
+    return args.moe_enable_routing_replay or args.r3_compare
+
+
+def transformer_config(args: argparse.Namespace, device: torch.device, *, rollout_engine: bool = False,
+                       **fields) -> TransformerConfig:
     """The model's ``TransformerConfig`` from the flags.
 
     Args:
-        args: The flags.
+        args: The flags (:func:`megatron_r3.rl.arguments.parse_args`).
         device: Where the model computes.
-        bf16: Override ``--bf16`` (the rollout engine always runs bf16).
-        routing_replay: Override ``moe_enable_routing_replay`` (default: on with
-            ``--moe-enable-routing-replay`` or ``--r3-compare``, which replays in its extra pass).
+        rollout_engine: The rollout engine's config: bf16, as an inference engine runs, and routers
+            that take a ``MoERouting`` whatever the training flags say (the engine records its routes).
+        **fields: ``TransformerConfig`` fields no flag sets (router variants the launcher does not
+            offer, ``recompute_modules``, ...); they replace the fixed choices here (no
+            load-balancing loss, no dropout, no fusions). A field a flag sets is refused: pass the flag.
+
+    Raises:
+        ValueError: ``fields`` names a field a flag sets.
     """
-    bf16 = args.bf16 if bf16 is None else bf16
+    bf16 = args.bf16 or rollout_engine
     dtype = torch.bfloat16 if bf16 else torch.float32
-    replay = routing_replay_config_kwargs(args)
-    if routing_replay is None:
-        routing_replay = args.moe_enable_routing_replay or args.r3_compare
-    replay["moe_enable_routing_replay"] = routing_replay
     recompute = {}
     if args.recompute_granularity == "full":
         recompute = dict(recompute_granularity="full", recompute_method=args.recompute_method,
                          recompute_num_layers=args.recompute_num_layers)
     elif args.recompute_granularity == "selective":
         recompute = dict(recompute_granularity="selective")
-    return TransformerConfig(
+    from_flags = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -51,15 +64,13 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: 
         num_query_groups=args.num_query_groups,
         normalization=args.normalization,
         init_method_std=args.init_method_std,
-        add_bias_linear=False,
+        add_bias_linear=args.add_bias_linear,
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
         moe_layer_freq=layer_freq(args),
         moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -68,9 +79,20 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: 
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
+        moe_enable_routing_replay=rollout_engine or routers_take_moe_routing(args),
+        **routing_replay_check_kwargs(args),
+        **recompute,
+    )
+    flagged = sorted(fields.keys() & from_flags.keys())
+    if flagged:
+        raise ValueError(f"TransformerConfig fields {flagged} come from flags: pass the flags instead")
+    fixed = dict(
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=device.type == "cpu",
@@ -85,9 +107,8 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, bf16: 
         # gloo (CPU) pairs batched sends and receives by order and swaps them when both go to
         # the same peer (PP=2); separate isend/irecv are right on every backend.
         batch_p2p_comm=device.type == "cuda",
-        **recompute,
-        **replay,
     )
+    return TransformerConfig(**from_flags, **{**fixed, **fields})
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig, device: torch.device) -> list[GPTModel]:

@@ -30,6 +30,7 @@ one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -90,9 +91,22 @@ class PolicyUpdateSettings:
         if self.clip_ratio <= 0:
             raise ValueError(f"--clip-ratio must be > 0, got {self.clip_ratio}")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PolicyUpdateSettings":
+        """The settings the launcher's flags give."""
+        return cls(replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
+                   temperature=args.rollout_temperature, filler_routes=args.filler_routes)
+
     @property
     def trains_with_replay(self) -> bool:
         return self.replay_mode is not None
+
+    @property
+    def routers_take_moe_routing(self) -> bool:
+        """Some pass gives the routers a ``MoERouting``: the update pass replays, or the comparison
+        pass replays (training live) or records (training with replay). The model must be built
+        for it (:func:`megatron_r3.rl.model_factory.routers_take_moe_routing`)."""
+        return self.trains_with_replay or self.compare
 
 
 class PolicyTrainer:
@@ -109,8 +123,9 @@ class PolicyTrainer:
 
     def __init__(self, stack: TrainingStack, config, spec: RoutingSpec, rows: RowLayout,
                  settings: PolicyUpdateSettings, timer: Optional[PhaseTimer] = None):
-        if (settings.trains_with_replay or settings.compare) and not config.moe_enable_routing_replay:
-            raise ValueError("routing replay and --r3-compare need a model built with moe_enable_routing_replay")
+        if settings.routers_take_moe_routing and not config.moe_enable_routing_replay:
+            raise ValueError("routing replay and --r3-compare need routers that take a MoERouting: a model built "
+                             "with moe_enable_routing_replay")
         self.stack = stack
         self.chunks = list(stack.model)
         self.config = config

@@ -23,13 +23,9 @@ from megatron_r3.dataplane.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import complete_args
-from megatron_r3.rl.checkpointing import (
-    RNGStateNotRestoredWarning,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    save_directory_problem,
-)
+from megatron_r3.rl.checkpoint_dirs import find_checkpoint, save_directory_problem
+from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
 from megatron_r3.rl.model_factory import build_model, transformer_config
 from megatron_r3.rl.phase_timer import PhaseTimer
@@ -82,10 +78,8 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
                          args.micro_batch_size, device)
         stack = build_training_stack(chunks, config, args)
-        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings(
-            replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-            temperature=args.rollout_temperature, filler_routes=args.filler_routes),
-            PhaseTimer(device, args.count_host_syncs))
+        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings.from_args(args),
+                                PhaseTimer(device, args.count_host_syncs))
     except BaseException:
         if source is not None:
             source.close()
@@ -93,7 +87,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     if source is not None:
         return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
-    engine_config = transformer_config(args, device, bf16=True, routing_replay=True)
+    engine_config = transformer_config(args, device, rollout_engine=True)
     engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
                            SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
                            args.rollout_staleness)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.dataplane.rollout_dump import RolloutDumpReader, check_records
+from megatron_r3.dataplane.dump_checks import check_records
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
 
 
@@ -51,9 +52,9 @@ def value_problems(args: argparse.Namespace) -> list[str]:
                     "recompute_num_layers", "micro_batch_size", "train_iters", "log_interval", "rollouts_per_prompt",
                     "task_min_symbols", "task_max_symbols",
                     # None where a default follows from other flags or the feature is off.
-                    "num_query_groups", "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-                    "decoder_last_pipeline_num_layers", "vocab_size", "max_position_embeddings", "global_batch_size",
-                    "seq_length", "save_interval", "max_new_tokens")
+                    "num_query_groups", "expert_tensor_parallel_size", "num_virtual_stages_per_pipeline_rank",
+                    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "vocab_size",
+                    "max_position_embeddings", "global_batch_size", "seq_length", "save_interval", "max_new_tokens")
     for name in at_least_one:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -82,6 +83,7 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     """
     problems = []
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    etp = expert_tensor_parallel_size(args)
     if args.moe_router_topk > args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts {args.num_experts}")
     if args.num_experts % ep:
@@ -93,10 +95,17 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     if args.num_attention_heads % groups:
         problems.append(f"--num-attention-heads {args.num_attention_heads} is not divisible by --num-query-groups "
                         f"{groups}")
-    for name in ("num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size", "vocab_size"):
+    for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
         if getattr(args, name) is not None and getattr(args, name) % tp:
             problems.append(f"{_flag(name)} {getattr(args, name)} is not divisible by "
                             f"--tensor-model-parallel-size {tp}")
+    if args.moe_ffn_hidden_size % etp:
+        problems.append(f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not divisible by the experts' "
+                        f"tensor-parallel size {etp} (--expert-tensor-parallel-size, default "
+                        f"--tensor-model-parallel-size)")
+    if args.add_bias_linear and etp > 1:
+        problems.append(f"--add-bias-linear needs the experts' tensor-parallel size 1 (Megatron has no MoE biases "
+                        f"under expert-TP), it is {etp}: pass --expert-tensor-parallel-size 1")
     if groups % tp:
         problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
     try:
@@ -115,6 +124,13 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
             problems.append(f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length "
                             f"{args.seq_length}")
     return problems
+
+
+def expert_tensor_parallel_size(args: argparse.Namespace) -> int:
+    """The experts' tensor-parallel size: ``--expert-tensor-parallel-size``, by default the dense layers'."""
+    if args.expert_tensor_parallel_size is None:
+        return args.tensor_model_parallel_size
+    return args.expert_tensor_parallel_size
 
 
 def _pipeline_problems(args: argparse.Namespace) -> list[str]:
@@ -148,14 +164,16 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
 def world_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     """Problems of the flags with ``world_size`` ranks: parallel sizes, data-parallel batch sizes."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    ep = args.expert_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, expert_tensor_parallel_size(args)
     problems = []
     if world_size % (tp * pp * cp):
         return [f"{world_size} ranks do not divide into --tensor-model-parallel-size {tp} x "
                 f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"]
-    if world_size % (tp * ep * pp):
-        problems.append(f"{world_size} ranks do not divide into --tensor-model-parallel-size {tp} x "
-                        f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {tp * ep * pp}")
+    if world_size % (etp * ep * pp):
+        experts_tp = ("--tensor-model-parallel-size" if args.expert_tensor_parallel_size is None
+                      else "--expert-tensor-parallel-size")
+        problems.append(f"{world_size} ranks do not divide into {experts_tp} {etp} x "
+                        f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
     dp = world_size // (tp * pp * cp)
     global_batch = args.global_batch_size or args.micro_batch_size * dp
     if global_batch % (args.micro_batch_size * dp):
@@ -215,7 +233,7 @@ def check_dump_records(reader: RolloutDumpReader) -> str:
     """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
 
     Every record's CRC, routes, log-probs and loss fields are checked
-    (:func:`~megatron_r3.dataplane.rollout_dump.check_records`), one record in memory at a time.
+    (:func:`~megatron_r3.dataplane.dump_checks.check_records`), one record in memory at a time.
     Call it on every rank.
 
     Returns:

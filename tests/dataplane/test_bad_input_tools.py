@@ -15,8 +15,11 @@ import re
 import numpy as np
 import pytest
 
+from megatron_r3.dataplane.dump_checks import check_records
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.engine_samples import vllm_samples
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError, RolloutDumpReader, RolloutDumpWriter, check_records
+from megatron_r3.dataplane.rollout_dump import RolloutDumpError
 from megatron_r3.dataplane.sample_checks import SampleValueError
 from megatron_r3.dataplane.samples import RolloutSample
 from tests.support.planted import snapshot, unchecked_writer

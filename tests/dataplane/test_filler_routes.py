@@ -29,7 +29,7 @@ from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl.model_pass import run_pass, token_logprobs
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 
 MODEL = TinyMoE(num_experts=8)
 MOE_LAYERS = (2, 4)
@@ -117,9 +117,8 @@ def rollout_samples(count, seed, gap=None):
 def filler_worker(layout, samples):
     device = init_parallel(layout)
     try:
-        config = make_config(layout, MODEL, moe_enable_routing_replay=True,
-                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)
-        chunks = build_gpt(config, MODEL, seed=0, device=device)
+        config, chunks = build_gpt(layout, MODEL, seed=0, device=device, flags=["--moe-enable-routing-replay"],
+                                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config,
                          SEQ_LENGTH, MICRO_BATCH, device)
         spec = RoutingSpec(MODEL.num_layers, MOE_LAYERS, MODEL.num_experts, MODEL.topk)

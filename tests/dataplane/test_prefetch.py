@@ -18,7 +18,7 @@ from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.schedule import forward_step
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 
 MODEL = TinyMoE()
 DATA = make_sequences([16] * 8, MODEL.vocab_size, seed=3)
@@ -33,8 +33,7 @@ def logged_forward_step(data_iterator, model, log):
 def schedule_worker(layout, forward_only, prefetching, rerun_wrapped=False):
     init_parallel(layout)
     try:
-        config = make_config(layout, MODEL)
-        chunks = build_gpt(config, MODEL, seed=0, device=torch.device("cpu"))
+        config, chunks = build_gpt(layout, MODEL, seed=0, device=torch.device("cpu"))
         microbatches = layout_microbatches(layout, DATA, 1)
         log = []
 

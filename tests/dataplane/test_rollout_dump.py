@@ -8,13 +8,10 @@ import pytest
 
 from megatron_r3.dataplane.adapters import from_array
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.rollout_dump import (
-    RolloutDumpError,
-    RolloutDumpReader,
-    RolloutDumpStats,
-    RolloutDumpWriter,
-    check_dump_fits,
-)
+from megatron_r3.dataplane.dump_checks import check_dump_fits
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.rollout_dump import RolloutDumpError, RolloutDumpStats
 from megatron_r3.dataplane.sample_checks import SampleValueError
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.dataplane.validation import RoutingValidationError

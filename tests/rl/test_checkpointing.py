@@ -17,21 +17,16 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from megatron_r3.rl.checkpointing import (
-    RNGStateNotRestoredWarning,
-    TRACKER_FILENAME,
-    iteration_dir,
-    latest_iteration,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megatron_r3.rl.checkpoint_dirs import TRACKER_FILENAME, iteration_dir, latest_iteration
+from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_r3.rl.training_stack import add_training_stack_args, build_training_stack
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.harness import full_token_losses
-from tests.support.launcher import default_backend, run_workers, worker_device
-from tests.support.parallel import Layout
+from tests.support.launcher import default_backend, run_workers
+from tests.support.parallel import Layout, init_parallel
 from tests.support.schedule import forward_backward
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 from tests.support.weights import assemble, param_values
 
 MODEL = TinyMoE()
@@ -49,18 +44,10 @@ def _stack_args(flags=DISTRIBUTED):
 
 def _setup(layout: Layout, model: TinyMoE = MODEL, flags=DISTRIBUTED):
     """Parallel state, Megatron's seeded RNG (CPU generators on CPU), and the model chunks in the training stack."""
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vp,
-        expert_model_parallel_size=layout.ep,
-        create_gloo_process_groups=False,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    device = worker_device()
-    config = make_config(layout, model)
-    stack = build_training_stack(build_gpt(config, model, seed=0, device=device), config, _stack_args(flags))
-    return device, config, stack
+    device = init_parallel(layout)
+    config, chunks = build_gpt(layout, model, seed=0, device=device)
+    stack = build_training_stack(chunks, config, _stack_args(flags))
+    return device, stack
 
 
 def _train_step(layout, stack, data, device):
@@ -112,7 +99,7 @@ def _save_and_die(*args, **kwargs):
 def resume_worker(layout, directory, steps, save_at=None, crash_at=None, resume=False):
     """Trains to ``steps`` on random batches (from a checkpoint with ``resume``), saving at
     ``save_at`` and dying during the save at ``crash_at``."""
-    device, config, stack = _setup(layout)
+    device, stack = _setup(layout)
     models = {"model": stack.chunks}
     out = {"losses": {}}
     try:
@@ -188,9 +175,9 @@ def _fixed_batch(index):
     return make_sequences([SEQ_LEN] * NUM_SEQS, MODEL.vocab_size, seed=100 + index)
 
 
-def _lagging_copy(config, device):
+def _lagging_copy(layout, device):
     """A second model (other weights), saved beside the trained one like a rollout engine's lagging copy."""
-    return build_gpt(config, MODEL, seed=1, device=device)
+    return build_gpt(layout, MODEL, seed=1, device=device)[1]
 
 
 def save_across_layouts_worker(layout, directory):
@@ -199,11 +186,11 @@ def save_across_layouts_worker(layout, directory):
 
     The first attempt to save dies before the tracker is written; the second replaces its leftover.
     """
-    device, config, stack = _setup(layout)
+    device, stack = _setup(layout)
     try:
         for index in range(2):
             _train_step(layout, stack, _fixed_batch(index), device)
-        args = (directory, 2, {"model": stack.chunks, "rollout0": _lagging_copy(config, device)}, stack.optimizer,
+        args = (directory, 2, {"model": stack.chunks, "rollout0": _lagging_copy(layout, device)}, stack.optimizer,
                 {"consumed_samples": 8}, stack.scheduler)
         _save_and_die(*args)
         out = {"after_crash": (latest_iteration(directory), sorted(os.listdir(directory)))}
@@ -218,15 +205,15 @@ def save_across_layouts_worker(layout, directory):
 
 
 def load_across_layouts_worker(layout, directory, flags=DISTRIBUTED):
-    device, config, stack = _setup(layout, flags=flags)
+    device, stack = _setup(layout, flags=flags)
     try:
-        lagging = build_gpt(config, MODEL, seed=2, device=device)
+        lagging = build_gpt(layout, MODEL, seed=2, device=device)[1]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             iteration, state = load_checkpoint(directory, {"model": stack.chunks, "rollout0": lagging},
                                                stack.optimizer, scheduler=stack.scheduler)
         out = {"iteration": iteration, "state": state, "params": _weights(stack.chunks),
-               "lagging": param_values(lagging), "lagging_expected": param_values(_lagging_copy(config, device)),
+               "lagging": param_values(lagging), "lagging_expected": param_values(_lagging_copy(layout, device)),
                "warnings": [str(w.message) for w in caught if w.category is RNGStateNotRestoredWarning],
                "scheduler_steps": stack.scheduler.num_steps}
         out["losses"] = _train_step(layout, stack, _fixed_batch(2), device)
@@ -294,26 +281,27 @@ def refused_worker(directory, elsewhere):
     """Loads the EP2 checkpoint into a model with more experts, with a model it does not hold, under
     another learning-rate schedule; a checkpoint of the plain optimizer into the distributed one."""
     out = {}
-    _, _, stack = _setup(Layout(), TinyMoE(num_experts=8))
+    _, stack = _setup(Layout(), TinyMoE(num_experts=8))
     try:
         load_checkpoint(directory, {"model": stack.chunks}, stack.optimizer)
     except ValueError as error:
         out["other_shape"] = str(error)
     parallel_state.destroy_model_parallel()
-    device, config, stack = _setup(Layout(), flags=DISTRIBUTED + ("--lr", "2e-2", "--lr-decay-style", "linear"))
+    device, stack = _setup(Layout(), flags=DISTRIBUTED + ("--lr", "2e-2", "--lr-decay-style", "linear"))
+    _, reference = build_gpt(Layout(), MODEL, seed=3, device=device)
     for name, models, scheduler in (
-            ("not_saved", {"model": stack.chunks, "reference": build_gpt(config, MODEL, seed=3, device=device)}, None),
+            ("not_saved", {"model": stack.chunks, "reference": reference}, None),
             ("other_schedule", {"model": stack.chunks}, stack.scheduler)):
         try:
             load_checkpoint(directory, models, stack.optimizer, scheduler=scheduler)
         except ValueError as error:
             out[name] = str(error)
     parallel_state.destroy_model_parallel()
-    device, _, plain = _setup(Layout(), flags=())
+    device, plain = _setup(Layout(), flags=())
     _train_step(Layout(), plain, _fixed_batch(0), device)
     save_checkpoint(elsewhere, 1, {"model": plain.chunks}, plain.optimizer, None, plain.scheduler)
     parallel_state.destroy_model_parallel()
-    _, _, stack = _setup(Layout())
+    _, stack = _setup(Layout())
     try:
         load_checkpoint(elsewhere, {"model": stack.chunks}, stack.optimizer, scheduler=stack.scheduler)
     except ValueError as error:

@@ -3,9 +3,11 @@
 * ``launcher``: ``run_workers(fn, world_size, *args)`` runs ``fn`` on N ranks
   (gloo on CPU, NCCL on ``cuda:rank``) and returns each rank's result.
 * ``parallel``: ``Layout`` (TP/SP/PP/VP/CP/EP/ETP/DP, dispatcher, uneven PP,
-  recompute, packed) and ``init_parallel`` (parallel state + RNG in a worker).
-* ``tiny_moe``: ``TinyMoE`` hyper-parameters, ``make_config``, ``build_gpt``
-  (this rank's model chunks, weights from a seed).
+  recompute, packed; ``Layout.flags``, the launcher's flags) and ``init_parallel``
+  (parallel state, through the launcher's ``init_model_parallel``, + RNG in a worker).
+* ``tiny_moe``: ``TinyMoE`` hyper-parameters (``TinyMoE.flags``), ``launcher_args``,
+  ``build_gpt`` (this rank's config and model chunks from the launcher's model
+  factory, weights from a seed).
 * ``weights``: full single-rank names and slices of sharded parameters; seeded
   init, ``load_full``, Megatron-style gradient reduction, ``assemble``.
 * ``batches``: test data as sequences with global token ids; per-rank BSHD

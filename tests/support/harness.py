@@ -18,7 +18,7 @@ from tests.support.batches import Sequences, layout_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
 from tests.support.schedule import forward_backward, forward_step
-from tests.support.tiny_moe import TinyMoE, build_gpt, make_config
+from tests.support.tiny_moe import TinyMoE, build_gpt
 from tests.support.weights import assemble, grad_shards
 
 
@@ -31,7 +31,8 @@ class Step:
         seed: Weight seed.
         micro_batch_size: Sequences per microbatch (BSHD) or per pack (THD).
         forward_only: Skip the backward pass (no gradients returned).
-        config_overrides: Extra ``TransformerConfig`` fields, as a tuple of pairs.
+        flags: More launcher flags (``--moe-enable-routing-replay``, ``--moe-router-score-function``, ...).
+        config_fields: ``TransformerConfig`` fields no flag sets, as a tuple of pairs.
         forward_step_func: A module-level ``f(data_iterator, model, recorder)``
             (see ``schedule.forward_step``, the default), e.g. one that passes
             replay data from the microbatch to the model.
@@ -45,7 +46,8 @@ class Step:
     seed: int = 0
     micro_batch_size: int = 2
     forward_only: bool = False
-    config_overrides: tuple = ()
+    flags: tuple = ()
+    config_fields: tuple = ()
     forward_step_func: Callable = forward_step
     setup: Optional[Callable] = None
 
@@ -67,8 +69,8 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     """
     device = init_parallel(layout)
     try:
-        config = make_config(layout, step.model, **dict(step.config_overrides))
-        chunks = build_gpt(config, step.model, step.seed, device)
+        config, chunks = build_gpt(layout, step.model, step.seed, device, flags=step.flags,
+                                   **dict(step.config_fields))
         config.finalize_model_grads_func = finalize_model_grads
         model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk) for chunk in chunks]
         microbatches = layout_microbatches(layout, data, step.micro_batch_size, device)

@@ -5,8 +5,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 
+from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.initialize import init_model_parallel
 from tests.support.launcher import worker_device
 
 
@@ -71,10 +73,29 @@ class Layout:
             parts.append(f"recompute-{self.recompute}")
         return "-".join(parts) or "single"
 
+    @property
+    def flags(self) -> list[str]:
+        """The launcher's flags for this layout (the data-parallel size follows from the world size)."""
+        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                 "--context-parallel-size", str(self.cp), "--expert-model-parallel-size", str(self.ep),
+                 "--moe-token-dispatcher-type", self.dispatcher]
+        for flag, value in (("--num-virtual-stages-per-pipeline-rank", self.vp),
+                            ("--expert-tensor-parallel-size", self.etp),
+                            ("--decoder-first-pipeline-num-layers", self.first_stage_layers),
+                            ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
+            if value is not None:
+                flags += [flag, str(value)]
+        if self.sp:
+            flags.append("--sequence-parallel")
+        if self.recompute == "full":
+            flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        elif self.recompute == "selective":
+            flags += ["--recompute-granularity", "selective"]
+        return flags
 
 
 def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
-    """Set up Megatron's parallel state and RNG for ``layout`` in this worker.
+    """Set up Megatron's parallel state (as the launcher does, from ``layout.flags``) and RNG in this worker.
 
     Args:
         layout: The layout; its world size must match the process group's.
@@ -84,15 +105,9 @@ def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
         The device this rank computes on.
     """
     assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        create_gloo_process_groups=False,
-    )
+    # The launcher's defaults for the rest: only the parallel sizes are read. No test needs
+    # Megatron's gloo copies of its groups (each one another group to build).
+    init_model_parallel(parse_args(layout.flags), create_gloo_process_groups=False)
     device = worker_device()
     # Without CUDA the series gives Megatron a CPU RNG tracker (same named states).
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

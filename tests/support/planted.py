@@ -14,14 +14,14 @@ from unittest import mock
 
 import numpy as np
 
-from megatron_r3.dataplane import rollout_dump
+from megatron_r3.dataplane import dump_writer
 
 
 @contextlib.contextmanager
 def unchecked_writer():
     """While active, RolloutDumpWriter stores token ids, log-probs and metadata as given."""
-    with mock.patch.object(rollout_dump, "check_sample_values", lambda sample, where: None), \
-            mock.patch.object(rollout_dump, "token_id_array", lambda values, *args: np.asarray(values)):
+    with mock.patch.object(dump_writer, "check_sample_values", lambda sample, where: None), \
+            mock.patch.object(dump_writer, "token_id_array", lambda values, *args: np.asarray(values)):
         yield
 
 

@@ -121,13 +121,14 @@ def run_replay_layout(layout: Layout, data, step: Step, forced: dict, host_count
     Returns what ``run_layout`` returns, plus ``"recorded"``: the routes each
     MoERouting recorded, in ``RouterRecorder.routes`` form.
     """
-    overrides = dict(step.config_overrides, moe_enable_routing_replay=True)
+    fields = dict(step.config_fields)
     if layout.recompute == "selective":
-        overrides["recompute_modules"] = ["moe"]
+        fields["recompute_modules"] = ["moe"]
     recordings = []
     replay_step = dataclasses.replace(
         step,
-        config_overrides=tuple(overrides.items()),
+        flags=(*step.flags, "--moe-enable-routing-replay"),
+        config_fields=tuple(fields.items()),
         forward_step_func=partial(
             replay_forward_step,
             forced=forced,

@@ -1,14 +1,20 @@
-"""A tiny MoE GPT (dense and MoE layers) built for any layout from one seed."""
+"""A tiny MoE GPT (dense and MoE layers) built for any layout from one seed, by the launcher's model factory.
 
+:class:`TinyMoE` and :class:`~tests.support.parallel.Layout` become the launcher's flags;
+:func:`build_gpt` parses them with :func:`megatron_r3.rl.arguments.parse_args` and builds
+through :mod:`megatron_r3.rl.model_factory`, so the tests run the model the launcher runs.
+"""
+
+import argparse
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
+from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.model_factory import build_model, transformer_config
 from tests.support.parallel import Layout
 from tests.support.weights import init_from_seed
 
@@ -43,111 +49,57 @@ class TinyMoE:
         """0-based indices of the MoE layers."""
         return [i for i, is_moe in enumerate(self.moe_layer_freq) if is_moe]
 
+    @property
+    def flags(self) -> list[str]:
+        """The launcher's flags for these hyper-parameters (``router_logit_std`` is the weights', not a flag)."""
+        return [
+            "--num-layers", str(self.num_layers), "--moe-layer-freq", ",".join(map(str, self.moe_layer_freq)),
+            "--hidden-size", str(self.hidden_size), "--ffn-hidden-size", str(self.ffn_hidden_size),
+            "--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size),
+            "--num-attention-heads", str(self.num_attention_heads), "--num-query-groups", str(self.num_query_groups),
+            "--num-experts", str(self.num_experts), "--moe-router-topk", str(self.topk),
+            "--vocab-size", str(self.vocab_size), "--max-position-embeddings", str(self.max_sequence_length),
+            "--normalization", self.normalization,
+            "--add-bias-linear" if self.add_bias_linear else "--disable-bias-linear",
+        ]
 
-def make_config(layout: Layout, model: TinyMoE = TinyMoE(), **overrides) -> TransformerConfig:
-    """The ``TransformerConfig`` of ``model`` under ``layout``.
 
-    Args:
-        layout: The parallel layout.
-        model: The model hyper-parameters.
-        **overrides: Extra ``TransformerConfig`` fields (router score function,
-            routing replay options, ...); they win over the defaults here.
+def launcher_args(layout: Layout, model: TinyMoE = TinyMoE(), flags: Sequence[str] = ()) -> argparse.Namespace:
+    """The launcher's parsed flags for ``model`` under ``layout``, then ``flags``.
+
+    Rows of the model's full length, one sample each, and no comparison pass: the run's
+    other settings do not reach the model.
     """
-    recompute = {}
-    if layout.recompute == "full":
-        recompute = dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
-    elif layout.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
-    fields = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        normalization=model.normalization,
-        add_bias_linear=model.add_bias_linear,
-        num_moe_experts=model.num_experts,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        moe_router_topk=model.topk,
-        moe_layer_freq=list(model.moe_layer_freq),
-        moe_token_dispatcher_type=layout.dispatcher,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        tensor_model_parallel_size=layout.tp,
-        sequence_parallel=layout.sp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vp,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        # Megatron marks TP-split weights (partition_dim) while initialising them;
-        # build_gpt then overwrites the values from the seed.
-        perform_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        # Sum of per-token losses, no averaging: gradients add up across ranks and
-        # microbatches exactly like the single-rank reference's.
-        calculate_per_token_loss=True,
-        # Batched p2p posts both directions to the same peer in one batch; with PP=2
-        # the peer is the same rank both ways and gloo pairs the messages by order,
-        # swapping activations and gradients. Separate isend/irecv use one group
-        # per direction (Megatron's _p2p_ops).
-        batch_p2p_comm=False,
-        **recompute,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
+    return parse_args([*layout.flags, *model.flags, "--seq-length", str(model.max_sequence_length),
+                       "--micro-batch-size", "1", "--no-r3-compare", *flags])
 
 
 def build_gpt(
-    config: TransformerConfig,
+    layout: Layout,
     model: TinyMoE = TinyMoE(),
     seed: int = 0,
     device: Optional[torch.device] = None,
-) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), weights from ``seed``.
+    flags: Sequence[str] = (),
+    **fields,
+) -> tuple[TransformerConfig, list[GPTModel]]:
+    """This rank's config and model chunks (one per virtual pipeline stage), weights from ``seed``.
 
     Every parameter is the slice this rank owns of a full tensor generated from
     ``seed`` and the parameter's single-rank name (see ``weights.init_from_seed``),
     so any layout and the single-rank reference hold the same full weights.
 
     Args:
-        config: From :func:`make_config`; the parallel state must be initialised.
-        model: The hyper-parameters ``config`` was made from.
+        layout: The parallel layout; the parallel state must be initialised for it.
+        model: The hyper-parameters.
         seed: Weight seed.
         device: Where the chunks live; defaults to the CPU.
+        flags: More launcher flags, e.g. ``--moe-enable-routing-replay``.
+        **fields: ``TransformerConfig`` fields no flag sets (router variants, aux losses, ...),
+            as :func:`megatron_r3.rl.model_factory.transformer_config` takes them.
     """
-    vp = config.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vp) if vp else [None]:
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage),
-            vocab_size=model.vocab_size,
-            max_sequence_length=model.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-            vp_stage=vp_stage,
-        )
-        chunks.append(chunk)
+    device = device or torch.device("cpu")
+    args = launcher_args(layout, model, flags)
+    config = transformer_config(args, device, **fields)
+    chunks = build_model(args, config, device)
     init_from_seed(chunks, seed, router_logit_std=model.router_logit_std)
-    return [chunk.to(device or torch.device("cpu")) for chunk in chunks]
+    return config, chunks
