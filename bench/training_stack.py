@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 
 from megatron_r3.rl import run as rl_run
 from megatron_r3.rl.arguments import parse_args
@@ -60,20 +60,23 @@ def bench_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train_once(dump: str, iters: int, variant: str) -> list[dict]:
-    """One launcher run of ``variant``; its metrics per iteration."""
-    argv = ["--rollout-dump", dump, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ_LENGTH),
-            "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])),
-            "--moe-enable-routing-replay", "--train-iters", str(iters), *VARIANTS[variant]]
-    args = parse_args(argv)
-    device = initialize(args)
+def launcher_args(dump: str, iters: int, variant: str) -> argparse.Namespace:
+    return parse_args(["--rollout-dump", dump, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ_LENGTH),
+                       "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])),
+                       "--moe-enable-routing-replay", "--train-iters", str(iters), *VARIANTS[variant]])
+
+
+def train_once(dump: str, iters: int, variant: str, device: torch.device) -> list[dict]:
+    """One launcher run of ``variant`` from the same seeds, in the parallel state every run shares."""
+    args = launcher_args(dump, iters, variant)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     build = rl_run.build_training_stack
     rl_run.build_training_stack = OldLoopStack if variant == "old-loop" else build
     try:
         return rl_run.train(args, device, log=lambda line: None)
     finally:
         rl_run.build_training_stack = build
-        parallel_state.destroy_model_parallel()
 
 
 def main(argv=None) -> None:
@@ -84,10 +87,12 @@ def main(argv=None) -> None:
         dump = os.path.join(folder, "rollouts.r3dump")
         write_synthetic_dump(dump, num_samples=256, num_layers=8, moe_layer_freq=1, num_experts=8, topk=2,
                              vocab_size=VOCAB)
+        # One parallel state for every run, as in one launcher process.
+        device = initialize(launcher_args(dump, args.iters, "megatron"))
         seconds = {variant: {timer: [] for timer in TIMERS} for variant in VARIANTS}
         for round_ in range(args.rounds):
             for variant in VARIANTS:
-                history = train_once(dump, args.iters, variant)
+                history = train_once(dump, args.iters, variant, device)
                 for timer in TIMERS:
                     seconds[variant][timer] += [h[timer] for h in history[2:]]
                 if dist.get_rank() == dist.get_world_size() - 1:
@@ -101,6 +106,7 @@ def main(argv=None) -> None:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 f.write(report)
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
