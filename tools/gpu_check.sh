@@ -2,7 +2,7 @@
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
 # 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
-# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark and the update-pass (loop) benchmark  5. `make test`, the whole suite, with per-test timings (stopped
+# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark, the update-pass (loop) benchmark and the training-stack benchmark  5. `make test`, the whole suite, with per-test timings (stopped
 # after SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +39,8 @@ grep " iteration " "$out/embedded.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
 .venv/bin/python -m bench.step --data rollout --out "$out/loop-ep1.md" > "$out/loop-ep1.log" 2>&1
 grep "^|" "$out/loop-ep1.log"
+.venv/bin/python -m bench.training_stack --out "$out/training-stack.md" > "$out/training-stack.log" 2>&1
+grep "^|" "$out/training-stack.log"
 if [ "$ngpu" -ge 2 ]; then
   .venv/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout \
     --out "$out/loop-ep2.md" > "$out/loop-ep2.log" 2>&1; grep "^|" "$out/loop-ep2.log"
