@@ -33,6 +33,7 @@ bench: $(VPY)
 	$(VPY) -m bench.step --data rollout --out build/bench/loop-ep1.md
 	$(VPY) -m bench.step --data full --out build/bench/step-ep1.md
 	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
+	$(VPY) -m bench.launch_cost
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md && \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data full --out build/bench/step-ep2.md; fi
