@@ -48,24 +48,32 @@ with nothing saved and the iteration named. The process then exits with status
 
 from __future__ import annotations
 
-import sys
-from typing import Optional
+import time
 
-import torch.distributed as dist
-from megatron.core import parallel_state
+STARTED = time.perf_counter()  # before the imports below (torch, Megatron), which take seconds
 
-from megatron_r3.rl.arguments import parse_args
-from megatron_r3.rl.initialize import initialize
-from megatron_r3.rl.policy_trainer import NonFiniteStepError
-from megatron_r3.rl.rollout_engine import RolloutEngineError
-from megatron_r3.rl.run import train
+import sys  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+from megatron_r3.rl.arguments import parse_args  # noqa: E402
+from megatron_r3.rl.initialize import initialize  # noqa: E402
+from megatron_r3.rl.policy_trainer import NonFiniteStepError  # noqa: E402
+from megatron_r3.rl.rollout_engine import RolloutEngineError  # noqa: E402
+from megatron_r3.rl.run import train  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Runs the launcher; bad input ends the process with one line on stderr and exit status 1."""
     args = parse_args(argv)
     try:
+        imported = time.perf_counter()
         device = initialize(args)
+        if dist.get_rank() == dist.get_world_size() - 1:
+            print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
+                  f"{time.perf_counter() - imported:.1f}", flush=True)
         train(args, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)

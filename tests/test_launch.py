@@ -7,6 +7,7 @@ the launcher as a real ``torchrun --nproc-per-node 2`` subprocess with its defau
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -83,7 +84,8 @@ def test_dump_training_runs_and_learns_under_layouts(tmp_path, layout):
     assert history[0]["mismatch/live/k3_kl"] is None  # no --r3-compare with a dump by default
     assert 0 <= history[0]["reward/mean"] <= 1
     lines = results[1]["lines"]
-    assert len(lines) == 6 and lines[0].startswith(" iteration        1/       6 | consumed samples: ")
+    assert lines[0].startswith(" time to build the policy, its training stack and the rollout source (seconds): ")
+    assert len(lines) == 7 and lines[1].startswith(" iteration        1/       6 | consumed samples: ")
 
 
 def capture_passes():
@@ -322,6 +324,13 @@ def torchrun_default_run(tmp_path_factory):
 
 def test_torchrun_default_run_logs_progress_and_metrics(torchrun_default_run):
     stdout, rows = torchrun_default_run
+    # Start-up, once, from the last rank, before the first iteration: where its seconds went.
+    startup = [line for line in stdout.splitlines() if line.startswith(" time to ")]
+    assert len(startup) == 2 and stdout.index(startup[1]) < stdout.index(" iteration ")
+    assert re.fullmatch(r" time to initialize \(seconds\): imports \d+\.\d \| distributed and devices \d+\.\d",
+                        startup[0])
+    assert re.fullmatch(r" time to build the policy, its training stack and the rollout source \(seconds\): "
+                        r"\d+\.\d", startup[1])
     lines = [line for line in stdout.splitlines() if line.startswith(" iteration ")]
     assert len(lines) == 3
     for i, line in enumerate(lines, 1):

@@ -1,6 +1,7 @@
 """Causal core attention in plain torch with context parallelism and packed sequences."""
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -140,11 +141,30 @@ class ContextParallelDotProductAttention(MegatronModule):
     def _allowed(
         self, local_len: int, device: torch.device, packed_seq_params: Optional[PackedSeqParams]
     ) -> Tensor:
-        """Boolean ``[local_len, cp * local_len]``: which gathered key each local query sees."""
+        """Boolean ``[local_len, cp * local_len]``: which gathered key each local query sees.
+
+        Every layer of a microbatch asks for the same mask, so the last one built is reused
+        while its inputs are the same tensors, unchanged (:class:`_LastMask`).
+        """
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         if packed_seq_params is None:
             if cp_size > 1 and local_len % 2:
                 raise ValueError(f"a CP rank holds two equal chunks of the sequence; got {local_len} tokens")
+            sources = ()
+        else:
+            sources = (packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded)
+        key = (local_len, str(device), cp_size, cp_rank)
+        mask = _LAST_MASK.get(key, sources)
+        if mask is None:
+            mask = self._build_allowed(local_len, device, packed_seq_params)
+            _LAST_MASK.put(key, sources, mask)
+        return mask
+
+    def _build_allowed(
+        self, local_len: int, device: torch.device, packed_seq_params: Optional[PackedSeqParams]
+    ) -> Tensor:
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        if packed_seq_params is None:
             # BSHD: one sequence of cp * local_len real tokens per row, every row alike.
             cu_padded = torch.arange(2, device=device) * (cp_size * local_len)
             lengths = cu_padded.diff()
@@ -182,3 +202,33 @@ class ContextParallelDotProductAttention(MegatronModule):
         context = torch.matmul(probs, v)  # [b, n, sq, d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
+
+
+class _LastMask:
+    """The last attention mask built, with what it was built from.
+
+    A mask is a function of its key (local length, device, CP rank) and of the ``cu_seqlens``
+    tensors it was built from. :meth:`get` returns it only for the same key and the very same
+    tensors (held by weak reference, so a freed tensor's reused id cannot match) at the same
+    version (an in-place change invalidates it).
+    """
+
+    def __init__(self):
+        self._key, self._sources, self._mask = None, (), None
+
+    def get(self, key: tuple, sources: tuple) -> Optional[Tensor]:
+        if key != self._key or len(sources) != len(self._sources):
+            return None
+        for tensor, (ref, version) in zip(sources, self._sources):
+            if tensor is None and ref is None:
+                continue
+            if tensor is None or ref is None or ref() is not tensor or tensor._version != version:
+                return None
+        return self._mask
+
+    def put(self, key: tuple, sources: tuple, mask: Tensor) -> None:
+        self._key, self._mask = key, mask
+        self._sources = tuple((None, None) if t is None else (weakref.ref(t), t._version) for t in sources)
+
+
+_LAST_MASK = _LastMask()

@@ -60,6 +60,21 @@ from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl.weight_lag import LaggedWeights
 
 
+def _local_positions(row_index: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of ``positions`` (of the full row) this rank holds, and where in its local tokens.
+
+    Returns:
+        ``(held, local)``: the indices into ``positions`` this rank holds, and for each the index
+        of its token in ``row_index`` (where each local token sits in the full row).
+    """
+    if len(row_index) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    order = np.argsort(row_index, kind="stable")
+    at = np.minimum(np.searchsorted(row_index[order], positions), len(order) - 1)
+    found = row_index[order][at] == positions
+    return np.flatnonzero(found), order[at[found]]
+
+
 class RolloutEngineError(RuntimeError):
     """The engine's model produced numbers it cannot sample from."""
 
@@ -148,11 +163,9 @@ class RolloutEngine:
         """One forward pass; the token drawn after each sample's last position, on every rank."""
         def last_position_logits(index, batch, logits):
             ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
+            held, local = _local_positions(batch.row_index.numpy(), ends)  # only the CP rank that holds one
             rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
-            for i, end in enumerate(ends):
-                local = torch.nonzero(batch.row_index == int(end)).flatten()
-                if len(local):  # only the CP rank that holds this position
-                    rows[i] = logits[0, int(local[0])].float()
+            rows[torch.from_numpy(held).to(logits.device)] = logits[0, torch.from_numpy(local).to(logits.device)].float()
             return no_loss({"rows": rows}, logits)
 
         outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),

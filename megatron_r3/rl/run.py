@@ -252,7 +252,10 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     metrics. Everything that can be checked is checked before the first iteration."""
     rank_log = log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None
     checkpoint, metrics_mode = check_outputs(args, rank_log)
+    started = time.perf_counter()
     run = setup(args, device, rank_log)
+    rank_log(f" time to build the policy, its training stack and the rollout source (seconds): "
+             f"{time.perf_counter() - started:.1f}")
     try:
         resume(run, checkpoint, rank_log)
         if isinstance(run.source, DumpRollouts):

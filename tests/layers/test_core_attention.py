@@ -210,3 +210,52 @@ def test_rejects_unsupported_inputs():
     assert "attention_mask" in messages[1]
     assert "qkv_format" in messages[2]
     assert "causal" in messages[3]
+
+
+def mask_reuse_worker():
+    """Which forwards build the attention mask, and whether a reused mask gives the same output."""
+    device = init_parallel(Layout())
+    layers = [_module(1), _module(1)]
+    builds = []
+    build = ContextParallelDotProductAttention._build_allowed
+
+    def counted(self, *args):
+        builds.append(args[0])
+        return build(self, *args)
+
+    def params(lengths):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+
+    total = sum(THD_LENGTHS)
+    q, k, v, _ = _full_inputs((total, HEADS, DIM), (total, GROUPS, DIM))
+    q, k, v = (t.to(device) for t in (q, k, v))
+    ContextParallelDotProductAttention._build_allowed = counted
+    try:
+        first = params(THD_LENGTHS)
+        outs = [layer(q, k, v, None, packed_seq_params=first) for layer in layers]  # two layers, one build
+        counts = [len(builds)]
+        other = params(THD_LENGTHS[::-1])  # other boundaries: a different mask
+        other_out = layers[0](q, k, v, None, packed_seq_params=other)
+        counts.append(len(builds))
+        other.cu_seqlens_q.copy_(first.cu_seqlens_q)  # changed in place: built again
+        again = layers[1](q, k, v, None, packed_seq_params=other)
+        counts.append(len(builds))
+        layers[0](q[:, None], k[:, None], v[:, None], None)  # BSHD, another key
+        counts.append(len(builds))
+    finally:
+        ContextParallelDotProductAttention._build_allowed = build
+    fresh = _module(1)._build_allowed(total, device, params(THD_LENGTHS))
+    return counts, [o.cpu() for o in outs], other_out.cpu(), again.cpu(), fresh.cpu()
+
+
+def test_layers_of_one_microbatch_build_the_mask_once():
+    ((counts, outs, other_out, again, fresh),) = run_workers(mask_reuse_worker, 1)
+    assert counts == [1, 2, 3, 4]
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(again, outs[0])  # the rebuilt mask is the packed one again
+    assert not torch.allclose(other_out, outs[0])  # other boundaries, other attention
+    cu = torch.tensor([0, *torch.tensor(THD_LENGTHS).cumsum(0).tolist()])
+    seq = torch.bucketize(torch.arange(int(cu[-1])), cu[1:], right=True)
+    expected = (seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril()
+    assert torch.equal(fresh, expected)
