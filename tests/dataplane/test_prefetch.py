@@ -83,8 +83,6 @@ SCHEDULES = {
 @pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_each_microbatch_is_prepared_once_one_ahead(schedule, forward_only, rerun_wrapped):
-    if rerun_wrapped and forward_only:
-        pytest.skip("the wrapper's effect does not depend on the pass; training covers it")
     layout = SCHEDULES[schedule]
     plain = run_workers(schedule_worker, layout.world_size, layout, forward_only, False, backend="gloo")
     prefetched = run_workers(schedule_worker, layout.world_size, layout, forward_only, True,
