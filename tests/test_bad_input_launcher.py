@@ -75,7 +75,8 @@ FLAG_CASES = [
     (["--num-virtual-stages-per-pipeline-rank", "2"],
      "--num-virtual-stages-per-pipeline-rank and --decoder-first/last-pipeline-num-layers need "
      "--pipeline-model-parallel-size > 1"),
-    (["--seq-length", "16"], "--seq-length 16 cannot hold --micro-batch-size 8 samples of up to 15 tokens"),
+    (["--micro-batch-size", "8", "--seq-length", "16"],
+     "--seq-length 16 cannot hold --micro-batch-size 8 samples of up to 15 tokens"),
     (["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "30", "--context-parallel-size", "2"],
      "--seq-length 30 is not a multiple of 4 (2 x --context-parallel-size 2 when > 1"),
     (["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "64", "--max-position-embeddings", "32"],

@@ -2,13 +2,16 @@
 
 :func:`parse_args` parses them and refuses what does not fit together, one line per
 problem (exit status 2); :func:`complete_args` fills the defaults that follow from other
-flags (the task's vocabulary and lengths, ``--seq-length``).
+flags (the task's vocabulary and lengths, ``--micro-batch-size``, ``--seq-length``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional
+
+import torch.distributed as dist
 
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
@@ -74,7 +77,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     training.add_argument("--allow-truncated-rollout-dump", action="store_true",
                           help="train on a --rollout-dump without its footer (its writer did not finish, or the file "
                                "was cut), on the whole samples it holds, with a warning; refused by default")
-    training.add_argument("--micro-batch-size", type=int, default=8, help="samples packed per microbatch")
+    training.add_argument("--micro-batch-size", type=int, default=None,
+                          help="samples packed per microbatch (default: each data-parallel rank's share of "
+                               "--global-batch-size in one microbatch per pipeline stage, the fewest passes through "
+                               "the model; 8 with --rollout-dump and no --global-batch-size)")
     training.add_argument("--global-batch-size", type=int, default=None,
                           help="samples per iteration over all data-parallel ranks (default: 32 in the embedded "
                                "run, one microbatch per rank with --rollout-dump)")
@@ -174,9 +180,34 @@ def task_of(args: argparse.Namespace) -> SymbolTask:
     return SymbolTask(args.task, args.task_num_symbols, args.task_min_symbols, args.task_max_symbols)
 
 
+def default_micro_batch_size(args: argparse.Namespace, world_size: int) -> int:
+    """``--micro-batch-size`` when not given: each data-parallel rank's samples in one microbatch per stage.
+
+    That is the fewest microbatches the pipeline schedule runs, hence the fewest passes through
+    the model. A small model's pass costs the host's time to issue its operators whatever the
+    rows' length, on a GPU most of all (docs/benchmarks.md: the default run's training passes take
+    a quarter of the time with one microbatch instead of four). Without ``--global-batch-size``
+    (dump mode) it is 8.
+    """
+    if args.global_batch_size is None:
+        return 8
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    per_rank = max(args.global_batch_size // max(world_size // (tp * pp * cp), 1), 1)
+    return per_rank // pp if per_rank % pp == 0 else per_rank
+
+
+def _world_size() -> int:
+    """The process group's size, or before it exists torchrun's ``WORLD_SIZE`` (as Megatron-LM's flags read it)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fills the defaults that depend on other flags and checks that they fit together (idempotent)."""
     tp = args.tensor_model_parallel_size
+    if args.rollout_dump is None and args.global_batch_size is None:
+        args.global_batch_size = 32
+    if args.micro_batch_size is None:
+        args.micro_batch_size = default_micro_batch_size(args, _world_size())
     if args.rollout_dump is not None:
         for flag in ("vocab_size", "seq_length"):
             if getattr(args, flag) is None:
@@ -190,8 +221,6 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.vocab_size < task.vocab_size:
         raise ValueError(f"--vocab-size {args.vocab_size} is too small for task {args.task!r} with "
                          f"{args.task_num_symbols} symbols (it needs {task.vocab_size})")
-    if args.global_batch_size is None:
-        args.global_batch_size = 32
     cp = args.context_parallel_size
     alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
     longest = task.max_prompt_tokens + args.max_new_tokens

@@ -1,0 +1,89 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+"""rope: gather THD token frequencies once per packed batch.
+
+Every attention layer applies RoPE to the queries and keys of the same packed batch. The
+per-token frequencies are gathered once and reused while ``cu_seqlens`` and ``freqs`` are the
+same tensors at the same version; anything else gathers again, and the result is always what
+a fresh gather gives.
+"""
+
+import pytest
+import torch
+
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.common.embeddings.rope_utils import (
+    _apply_rotary_pos_emb_bshd,
+    _apply_rotary_pos_emb_thd,
+)
+
+
+class _Group:
+    def __init__(self, size=1, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """How many times the token positions are computed."""
+    calls = []
+    original = rope_utils._thd_positions_on_this_cp_rank
+
+    def counting(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(rope_utils, "_thd_positions_on_this_cp_rank", counting)
+    return calls
+
+
+def _fresh(t, cu_seqlens, freqs):
+    """RoPE with positions within each sequence, computed from scratch on the host."""
+    positions = torch.cat([torch.arange(int(n)) for n in cu_seqlens[1:] - cu_seqlens[:-1]])
+    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
+
+
+def test_the_layers_of_one_packed_batch_gather_once(gathers):
+    cu_seqlens = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    freqs = torch.randn(33, 1, 1, 8)
+    for _ in range(4):  # layers, each with its queries and keys
+        q, k = torch.randn(16, 4, 8), torch.randn(16, 2, 8)
+        assert torch.equal(_apply_rotary_pos_emb_thd(q, cu_seqlens, freqs, cp_group=_Group()),
+                           _fresh(q, cu_seqlens, freqs))
+        assert torch.equal(_apply_rotary_pos_emb_thd(k, cu_seqlens, freqs, cp_group=_Group()),
+                           _fresh(k, cu_seqlens, freqs))
+    assert len(gathers) == 1
+
+
+def test_another_batch_or_a_changed_one_gathers_again(gathers):
+    cu_seqlens = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    freqs = torch.randn(33, 1, 1, 8)
+    t = torch.randn(16, 4, 8)
+    _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group())
+    same_values = cu_seqlens.clone()  # another batch of the same lengths: another tensor
+    _apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group())
+    assert len(gathers) == 2
+    same_values[1:3] = torch.tensor([9, 10], dtype=torch.int32)  # lengths 9, 1, 6
+    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group()),
+                       _fresh(t, same_values, freqs))
+    freqs.mul_(2)
+    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group()),
+                       _fresh(t, same_values, freqs))
+    _apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group(2, 0))  # another CP rank's half
+    assert len(gathers) == 5
+
+
+def test_learned_frequencies_are_gathered_every_time_and_get_gradients(gathers):
+    cu_seqlens = torch.tensor([0, 6, 10], dtype=torch.int32)
+    freqs = torch.randn(16, 1, 1, 8, requires_grad=True)
+    t = torch.randn(10, 2, 8)
+    out = [_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group()) for _ in range(2)]
+    assert len(gathers) == 2
+    (grad,) = torch.autograd.grad(sum(o.sum() for o in out), freqs)
+    (want,) = torch.autograd.grad(2 * _fresh(t, cu_seqlens, freqs).sum(), freqs)
+    assert torch.allclose(grad, want)
