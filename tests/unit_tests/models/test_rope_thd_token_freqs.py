@@ -74,8 +74,11 @@ def test_another_batch_or_a_changed_one_gathers_again(gathers):
     freqs.mul_(2)
     assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group()),
                        _fresh(t, same_values, freqs))
-    _apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group(2, 0))  # another CP rank's half
-    assert len(gathers) == 5
+    assert len(gathers) == 4
+    halves = torch.tensor([0, 8, 16], dtype=torch.int32)
+    _apply_rotary_pos_emb_thd(t, halves, freqs, cp_group=_Group())
+    _apply_rotary_pos_emb_thd(t[:8], halves, freqs, cp_group=_Group(2, 0))  # under CP 2: half the tokens
+    assert len(gathers) == 6
 
 
 def test_learned_frequencies_are_gathered_every_time_and_get_gradients(gathers):
