@@ -1,5 +1,6 @@
 """GPT layer and decoder-block specs that run every parallel layout without TransformerEngine."""
 
+from functools import partial
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -16,8 +17,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_r3.layers.core_attention import ContextParallelDotProductAttention
+from megatron_r3.layers.grouped_experts import GroupedGemmExperts
 from megatron_r3.layers.moe_layers import chunk_layers, moe_layer_pattern
 from megatron_r3.layers.norm import SequenceParallelNorm
+
+
+class _LocalGroupedGemmSpecProvider(LocalSpecProvider):
+    """Megatron's local modules; with ``moe_grouped_gemm`` the experts are :class:`GroupedGemmExperts`
+    (Megatron's local provider gives ``SequentialMLP`` either way: its grouped experts need
+    TransformerEngine)."""
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        if not moe_use_grouped_gemm:
+            return super().grouped_mlp_modules(False)
+        return partial(GroupedGemmExperts, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=self.activation_func()))
 
 
 def get_gpt_layer_r3_spec(
@@ -41,9 +55,9 @@ def get_gpt_layer_r3_spec(
     Args:
         num_experts: ``None`` for a dense MLP layer; the number of experts for a MoE
             layer (Megatron's local MoE module: router, token dispatcher per
-            ``config.moe_token_dispatcher_type``, ``SequentialMLP`` experts, or the
-            local grouped-GEMM experts with ``moe_grouped_gemm``).
-        moe_grouped_gemm: Use grouped-GEMM experts.
+            ``config.moe_token_dispatcher_type``, ``SequentialMLP`` experts).
+        moe_grouped_gemm: The same experts run as grouped GEMMs
+            (:class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts`).
         qk_layernorm: Normalise queries and keys (per head) before attention.
 
     Returns:
@@ -57,7 +71,7 @@ def get_gpt_layer_r3_spec(
         )
     else:
         mlp = get_moe_module_spec_for_backend(
-            backend=LocalSpecProvider(),
+            backend=_LocalGroupedGemmSpecProvider(),
             num_experts=num_experts,
             moe_grouped_gemm=moe_grouped_gemm,
         )

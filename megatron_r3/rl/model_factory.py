@@ -39,8 +39,9 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
     Args:
         args: The flags (:func:`megatron_r3.rl.arguments.parse_args`).
         device: Where the model computes.
-        rollout_engine: The rollout engine's config: bf16, as an inference engine runs, and routers
-            that take a ``MoERouting`` whatever the training flags say (the engine records its routes).
+        rollout_engine: The rollout engine's config: bf16 and grouped-GEMM experts, as an inference
+            engine runs, and routers that take a ``MoERouting`` whatever the training flags say (the
+            engine records its routes).
         **fields: ``TransformerConfig`` fields no flag sets (router variants the launcher does not
             offer, ``recompute_modules``, ...); they replace the fixed choices here (no
             load-balancing loss, no dropout, no fusions). A field a flag sets is refused: pass the flag.
@@ -71,6 +72,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         moe_layer_freq=layer_freq(args),
         moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm or rollout_engine,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -1,0 +1,109 @@
+"""Megatron's local experts run as two grouped GEMMs, without TransformerEngine.
+
+:class:`GroupedGemmExperts` is ``SequentialMLP`` with the same submodules, parameters,
+state dict and sharded state dict (checkpoints move between the two), whose forward runs
+every local expert's first linear layer as one ``torch._grouped_mm`` over the tokens sorted
+by expert, the activation once, and every second linear layer as one more: 4 to 6 operators
+per MoE layer instead of 4 or 5 per expert. The group offsets are a device tensor, so the
+forward reads nothing back to the host. A small model's pass costs the host's time to
+issue its operators (docs/benchmarks.md), which is what this saves.
+
+The grouped path takes what ``MLP.forward`` computes without fusions: the activation (or
+the gated one), the router's probability per token, the second linear layer. Anything
+else (biases, expert tensor parallelism, fp8, ``moe_apply_probs_on_input``, selective
+recompute of the activation, delayed weight gradients, a device or dtype whose
+``torch._grouped_mm`` cannot run forward and backward) runs ``SequentialMLP.forward``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+@lru_cache(maxsize=None)
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs, forward and backward, on this device type and dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
+        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        out.backward(torch.ones_like(out))
+        return bool(torch.all(out == 16)) and w.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class GroupedGemmExperts(SequentialMLP):
+    """``SequentialMLP`` whose local experts run as grouped GEMMs (see the module docstring)."""
+
+    def _runs_grouped(self, hidden: torch.Tensor) -> bool:
+        config = self.config
+        return (
+            self.num_local_experts > 1
+            and hidden.shape[0] > 0
+            and self.tp_group.size() == 1
+            and not config.add_bias_linear
+            and not (config.fp8 or config.fp4)
+            and not config.moe_apply_probs_on_input
+            and not config.use_te_activation_func
+            and not config.bias_activation_fusion
+            and not config.gradient_accumulation_fusion
+            and not config.delay_wgrad_compute
+            and config.recompute_granularity != "selective"
+            and self._aligned(hidden)
+            and grouped_mm_runs(hidden.device.type, hidden.dtype)
+        )
+
+    def _aligned(self, hidden: torch.Tensor) -> bool:
+        """The grouped GEMM's CUDA kernels take rows of whole 16-byte multiples."""
+        expert = self.local_experts[0]
+        widths = (hidden.shape[-1], *expert.linear_fc1.weight.shape, *expert.linear_fc2.weight.shape)
+        return all(width * hidden.element_size() % 16 == 0 for width in widths)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """Every expert's tokens (sorted by expert, ``tokens_per_expert`` each) through its MLP."""
+        hidden = permuted_local_hidden_states
+        if not self._runs_grouped(hidden):
+            return super().forward(hidden, tokens_per_expert, permuted_probs)
+        offsets = _group_offsets(tokens_per_expert, hidden.device)
+        experts = self.local_experts
+        # Linear layers keep weights as [out, in]; the grouped GEMM takes [groups, in, out].
+        fc1 = torch.stack([expert.linear_fc1.weight for expert in experts]).transpose(1, 2)
+        fc2 = torch.stack([expert.linear_fc2.weight for expert in experts]).transpose(1, 2)
+        intermediate = self._activation(torch._grouped_mm(hidden, fc1, offs=offsets))
+        intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
+        return torch._grouped_mm(intermediate, fc2, offs=offsets), None
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``MLP.forward``'s activation without fusions, gated or not."""
+        config = self.config
+        if not config.gated_linear_unit:
+            return config.activation_func(x)
+        x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+        if (clamp := config.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=clamp)
+            x_linear = x_linear.clamp(min=-clamp, max=clamp)
+        return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+
+
+def _group_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's ``offs``: the end of each expert's rows, int32 on ``device``.
+
+    Host counts (the dispatcher's, or replay's host split sizes) go up without a sync:
+    pinned and copied asynchronously on a GPU.
+    """
+    counts = torch.as_tensor(tokens_per_expert)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    if ends.device == device:
+        return ends
+    if device.type == "cuda":
+        ends = ends.pin_memory()
+    return ends.to(device, non_blocking=True)

@@ -1,0 +1,165 @@
+"""megatron_r3.layers.grouped_experts: SequentialMLP's experts run as grouped GEMMs.
+
+The grouped forward must give what ``SequentialMLP.forward`` gives on the same module
+(outputs and every gradient), for any split of the tokens over the experts (empty
+experts included), gated or not, fp32 or bf16, and a whole model built with
+``--moe-grouped-gemm`` must train like the same model without it, under expert
+parallelism too. What it does not cover runs ``SequentialMLP.forward``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megatron_r3.layers.grouped_experts import GroupedGemmExperts, grouped_mm_runs
+from tests.support.batches import layout_microbatches, make_sequences
+from tests.support.launcher import run_workers
+from tests.support.parallel import Layout, init_parallel
+from tests.support.tiny_moe import TinyMoE, build_gpt
+
+MODEL = TinyMoE(hidden_size=32, moe_ffn_hidden_size=32, num_experts=4)
+
+
+def _count_grouped_mm(monkeypatch_calls: list, device_type: str, dtype: torch.dtype):
+    """Counts ``torch._grouped_mm`` calls from now on (after the support probe for ``dtype``)."""
+    assert grouped_mm_runs(device_type, dtype)
+    original = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        monkeypatch_calls.append(1)
+        return original(*args, **kwargs)
+
+    torch._grouped_mm = counting
+    return original
+
+
+def _experts(chunk):
+    return [m for m in chunk.modules() if isinstance(m, SequentialMLP)]
+
+
+def _module_worker(flags, fields, dtype, splits):
+    """The first MoE layer's experts, through the grouped and the sequential forward."""
+    device = init_parallel(Layout())
+    try:
+        _, (chunk,) = build_gpt(Layout(), MODEL, seed=1, device=device, flags=flags, **fields)
+        experts = _experts(chunk)[0]
+        assert isinstance(experts, GroupedGemmExperts)
+        gen = torch.Generator().manual_seed(7)
+        results = []
+        for split in splits:
+            hidden = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype).requires_grad_()
+            probs = torch.rand(sum(split), generator=gen).to(device).requires_grad_()
+            grad_out = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype)
+            outs = {}
+            for name, forward in (("grouped", GroupedGemmExperts.forward), ("sequential", SequentialMLP.forward)):
+                for p in experts.parameters():
+                    p.grad = None
+                calls = []
+                original = _count_grouped_mm(calls, device.type, dtype)
+                try:
+                    out, bias = forward(experts, hidden, torch.tensor(split), probs)
+                finally:
+                    torch._grouped_mm = original
+                assert bias is None
+                grads = torch.autograd.grad(out, [hidden, probs, *experts.parameters()], grad_out)
+                outs[name] = (out.detach().cpu(), [g.detach().cpu() for g in grads], len(calls))
+            results.append(outs)
+        return results
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+SPLITS = [[3, 0, 5, 2], [0, 0, 0, 9], [4, 4, 4, 4], [1, 7, 0, 0]]
+
+
+@pytest.mark.parametrize("flags, fields, dtype", [
+    ([], {}, torch.float32),
+    ([], {"gated_linear_unit": True, "activation_func": F.silu}, torch.float32),
+    (["--bf16"], {}, torch.bfloat16),
+], ids=["gelu-fp32", "swiglu-fp32", "gelu-bf16"])
+def test_grouped_forward_equals_the_sequential_one(flags, fields, dtype):
+    (results,) = run_workers(_module_worker, 1, ["--moe-grouped-gemm", *flags], fields, dtype, SPLITS)
+    exact = dtype == torch.float32
+    for outs in results:
+        (out, grads, grouped_calls), (want, want_grads, sequential_calls) = outs["grouped"], outs["sequential"]
+        assert (grouped_calls, sequential_calls) == (2, 0)
+        tol = {} if exact else {"rtol": 2e-2, "atol": 2e-2}  # bf16: one rounding of a different sum order
+        torch.testing.assert_close(out, want, **tol)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_forward_on_a_gpu_matches_the_sequential_one(dtype):
+    """Host token counts (pinned, copied asynchronously) and CUDA grouped GEMMs: equal within rounding."""
+    flags = ["--moe-grouped-gemm"] + (["--bf16"] if dtype == torch.bfloat16 else [])
+    (results,) = run_workers(_module_worker, 1, flags, {}, dtype, SPLITS, backend="nccl")
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for outs in results:
+        (out, grads, grouped_calls), (want, want_grads, _) = outs["grouped"], outs["sequential"]
+        assert grouped_calls == 2
+        torch.testing.assert_close(out, want, **tol)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, **tol)
+
+
+def _training_worker(layout, grouped):
+    """Logits and every gradient of one forward-backward over two microbatches, routing live."""
+    device = init_parallel(layout)
+    try:
+        flags = ["--moe-grouped-gemm"] if grouped else []
+        _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=flags)
+        assert all(isinstance(e, GroupedGemmExperts) == grouped for e in _experts(chunk))
+        calls = []
+        original = _count_grouped_mm(calls, device.type, torch.float32)
+        try:
+            losses = []
+            for mb in layout_microbatches(layout, make_sequences([9, 16, 5, 12], MODEL.vocab_size, seed=4), 2, device):
+                loss = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels,
+                             packed_seq_params=mb.packed_seq_params)
+                loss.float().sum().backward()
+                losses.append(loss.detach())
+        finally:
+            torch._grouped_mm = original
+        grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters() if p.grad is not None}
+        return losses, grads, len(calls)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("layout", [Layout(packed=True), Layout(ep=2, dp=2, packed=True),
+                                    Layout(tp=2, sp=True, packed=True)],
+                         ids=lambda layout: layout.name)
+def test_a_model_with_grouped_experts_trains_like_one_without(layout):
+    grouped = run_workers(_training_worker, layout.world_size, layout, True)
+    sequential = run_workers(_training_worker, layout.world_size, layout, False)
+    for (losses, grads, calls), (want_losses, want_grads, _) in zip(grouped, sequential):
+        # Two grouped GEMMs per MoE layer and microbatch, forward; none where the experts are
+        # tensor-parallel (their linear layers all-reduce: SequentialMLP's forward runs).
+        assert calls == (0 if layout.tp > 1 else 2 * len(MODEL.moe_layers) * len(losses))
+        for got, want in zip(losses, want_losses):
+            torch.testing.assert_close(got, want)
+        assert grads.keys() == want_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], want_grads[name], msg=name)
+
+
+def _state_dict_worker():
+    init_parallel(Layout())
+    try:
+        _, (grouped,) = build_gpt(Layout(), MODEL, seed=5, flags=["--moe-grouped-gemm"])
+        _, (sequential,) = build_gpt(Layout(), MODEL, seed=6)
+        sequential.load_state_dict(grouped.state_dict())
+        return (list(grouped.state_dict()), list(sequential.state_dict()),
+                sorted(grouped.sharded_state_dict()), sorted(sequential.sharded_state_dict()),
+                all(torch.equal(a, b) for a, b in zip(grouped.parameters(), sequential.parameters())))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_grouped_experts_keep_sequential_mlps_parameters_and_checkpoint_keys():
+    ((keys, want_keys, sharded, want_sharded, loaded),) = run_workers(_state_dict_worker, 1)
+    assert keys == want_keys and sharded == want_sharded and loaded
