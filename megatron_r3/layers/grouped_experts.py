@@ -28,14 +28,15 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs, forward and backward, on this device type and dtype."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
     try:
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
-        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-        out.backward(torch.ones_like(out))
-        return bool(torch.all(out == 16)) and w.grad is not None
+        with torch.enable_grad():  # the first MoE layer to ask may run in a forward-only pass
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+            out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+            out.backward(torch.ones_like(out))
+            return bool(torch.all(out == 16)) and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 

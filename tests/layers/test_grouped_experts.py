@@ -47,6 +47,18 @@ def _module_worker(flags, fields, dtype, splits):
         experts = _experts(chunk)[0]
         assert isinstance(experts, GroupedGemmExperts)
         gen = torch.Generator().manual_seed(7)
+        # A forward-only pass (the rollout engine's) asks first: it still runs grouped.
+        grouped_mm_runs.cache_clear()
+        hidden = torch.randn(8, MODEL.hidden_size, generator=gen).to(device, dtype)
+        with torch.no_grad():
+            assert grouped_mm_runs(device.type, dtype)
+            calls = []
+            original = _count_grouped_mm(calls, device.type, dtype)
+            try:
+                experts(hidden, torch.tensor([2, 2, 0, 4]), torch.ones(8, device=device))
+            finally:
+                torch._grouped_mm = original
+            assert len(calls) == 2
         results = []
         for split in splits:
             hidden = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype).requires_grad_()
