@@ -38,3 +38,35 @@ def test_a_decorated_function_is_compiled_once_on_its_first_call(monkeypatch):
     assert compiled == [] and fused.__name__ == "double" and fused.__doc__ == "Doubles."
     assert fused(3) == 7 and fused(x=4) == 9
     assert compiled == [double]
+
+
+
+def _expert_bias_updates(fields, flags):
+    """How many times one forward of a tiny MoE GPT calls the router's compiled expert-bias update."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from tests.support.parallel import Layout, init_parallel
+    from tests.support.tiny_moe import build_gpt
+
+    calls = []
+    original = TopKRouter._apply_expert_bias
+    TopKRouter._apply_expert_bias = lambda self, *args, **kwargs: calls.append(self)
+    init_parallel(Layout())
+    try:
+        _, (chunk,) = build_gpt(Layout(), seed=0, flags=flags, **fields)
+        tokens = torch.randint(64, (1, 16))
+        chunk(input_ids=tokens, position_ids=torch.arange(16)[None], attention_mask=None)
+        return len(calls)
+    finally:
+        TopKRouter._apply_expert_bias = original
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_compiled_expert_bias_update_runs_only_with_an_expert_bias():
+    from tests.support.launcher import run_workers
+
+    sigmoid = ["--moe-router-score-function", "sigmoid"]
+    assert run_workers(_expert_bias_updates, 1, {}, sigmoid) == [0]
+    with_bias = {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3}
+    assert run_workers(_expert_bias_updates, 1, with_bias, sigmoid) == [2]  # one per MoE layer of the tiny model
