@@ -1,8 +1,8 @@
 """The built-in rollout engine: a bf16 copy of the policy that samples completions and records routes.
 
 The engine is a second set of model chunks in the trainer's parallel layout,
-built with a bf16 config and ``moe_enable_routing_replay`` (so its routers can
-record), whose weights trail the policy's by ``staleness`` optimizer steps
+built with a bf16 config, grouped-GEMM experts and ``moe_enable_routing_replay``
+(so its routers can record), whose weights trail the policy's by ``staleness`` optimizer steps
 (:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
 SGLang: inference precision, possibly stale weights, and the routes it took.
 
