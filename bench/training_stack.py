@@ -62,7 +62,7 @@ def bench_args(argv=None) -> argparse.Namespace:
 
 def launcher_args(dump: str, iters: int, variant: str) -> argparse.Namespace:
     return parse_args(["--rollout-dump", dump, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ_LENGTH),
-                       "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])),
+                       "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])), "--micro-batch-size", "8",
                        "--moe-enable-routing-replay", "--train-iters", str(iters), *VARIANTS[variant]])
 
 
