@@ -28,10 +28,10 @@ class _LocalGroupedGemmSpecProvider(LocalSpecProvider):
     TransformerEngine)."""
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        sequential = super().grouped_mlp_modules(moe_use_grouped_gemm)  # SequentialMLP with its submodules
         if not moe_use_grouped_gemm:
-            return super().grouped_mlp_modules(False)
-        return partial(GroupedGemmExperts, submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=self.activation_func()))
+            return sequential
+        return partial(GroupedGemmExperts, *sequential.args, **sequential.keywords)
 
 
 def get_gpt_layer_r3_spec(

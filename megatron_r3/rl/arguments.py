@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
-from megatron_r3.rl.run_checks import relation_problems, value_problems
+from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
 from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
 from megatron_r3.routing_replay import add_routing_replay_args
@@ -195,8 +195,8 @@ def default_micro_batch_size(args: argparse.Namespace, world_size: int) -> int:
     """
     if args.global_batch_size is None:
         return 8
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    per_rank = max(args.global_batch_size // max(world_size // (tp * pp * cp), 1), 1)
+    per_rank = max(args.global_batch_size // data_parallel_size(args, world_size), 1)
+    pp = args.pipeline_model_parallel_size
     return per_rank // pp if per_rank % pp == 0 else per_rank
 
 

@@ -2,8 +2,8 @@
 
 The engine is a second set of model chunks in the trainer's parallel layout,
 built with a bf16 config, grouped-GEMM experts and ``moe_enable_routing_replay``
-(so its routers can record), whose weights trail the policy's by ``staleness`` optimizer steps
-(:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
+(so its routers can record), whose weights trail the policy's by ``staleness``
+optimizer steps (:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
 SGLang: inference precision, possibly stale weights, and the routes it took.
 
 Generation is a loop of forward-only passes through Megatron's schedule over

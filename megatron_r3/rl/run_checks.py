@@ -161,6 +161,12 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """The data-parallel size the flags give ``world_size`` ranks (at least 1)."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return max(world_size // model_parallel, 1)
+
+
 def world_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     """Problems of the flags with ``world_size`` ranks: parallel sizes, data-parallel batch sizes."""
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
@@ -174,7 +180,7 @@ def world_problems(args: argparse.Namespace, world_size: int) -> list[str]:
                       else "--expert-tensor-parallel-size")
         problems.append(f"{world_size} ranks do not divide into {experts_tp} {etp} x "
                         f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
-    dp = world_size // (tp * pp * cp)
+    dp = data_parallel_size(args, world_size)
     global_batch = args.global_batch_size or args.micro_batch_size * dp
     if global_batch % (args.micro_batch_size * dp):
         problems.append(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "

@@ -14,25 +14,13 @@ from megatron.core import utils as mcore_utils
 from megatron.core.tensor_parallel.mappings import _split_along_first_dim
 
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, bshd_token_index, padded_lengths, thd_token_index
+from tests.support.fake_group import FakeGroup
 from tests.support.pipeline import pipeline_config
-
-
-class _Group:
-    """Stands in for a process group: Megatron's split only asks size() and rank()."""
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _megatron_cp(labels, cp_size, cp_rank, monkeypatch):
     """labels [b, s] -> this CP rank's [b, s/cp] via get_batch_on_this_cp_rank."""
-    group = _Group(cp_size, cp_rank)
+    group = FakeGroup(cp_size, cp_rank)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: g.size())
     monkeypatch.setattr(torch.distributed, "get_rank", lambda g=None: g.rank())
     batch = mcore_utils.get_batch_on_this_cp_rank({"tokens": labels.clone()}, is_hybrid_cp=False, cp_group=group)
@@ -44,7 +32,7 @@ def _megatron_router_order(labels_bs, rank, monkeypatch):
     local = _megatron_cp(labels_bs, rank.cp_size, rank.cp_rank, monkeypatch)
     hidden = local.transpose(0, 1).contiguous()  # the embedding output is [s, b, h]
     if rank.sequence_parallel:
-        hidden = _split_along_first_dim(hidden, _Group(rank.tp_size, rank.tp_rank))
+        hidden = _split_along_first_dim(hidden, FakeGroup(rank.tp_size, rank.tp_rank))
     return hidden.reshape(-1).numpy()
 
 
@@ -89,7 +77,7 @@ def test_thd_matches_per_sequence_cp_split(tp, sp, cp, monkeypatch):
                     pieces.append(_megatron_cp(row, cp, cp_rank, monkeypatch)[0])
                 local = torch.cat(pieces)[:, None]  # packed THD is [t, 1, h] after the embedding
                 if sp:
-                    local = _split_along_first_dim(local, _Group(tp, tp_rank))
+                    local = _split_along_first_dim(local, FakeGroup(tp, tp_rank))
                 np.testing.assert_array_equal(thd_token_index(lens, rank, padded), local.reshape(-1).numpy())
 
 

@@ -15,16 +15,7 @@ from megatron.core.models.common.embeddings.rope_utils import (
     _apply_rotary_pos_emb_thd,
 )
 
-
-class _Group:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+from tests.support.fake_group import FakeGroup
 
 
 def _reference(t, cu_seqlens, freqs, cp_size, cp_rank, packed_freqs):
@@ -55,7 +46,7 @@ def test_thd_rope_equals_the_per_sequence_application(cp_size, packed_freqs):
         freqs = torch.randn(total if packed_freqs else 161, 1, 1, 8, generator=gen)
         for cp_rank in range(cp_size):
             t = torch.randn(total // cp_size, 3, 8, generator=gen)
-            got = _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group(cp_size, cp_rank))
+            got = _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup(cp_size, cp_rank))
             want = _reference(t, cu_seqlens, freqs, cp_size, cp_rank, packed_freqs)
             assert torch.equal(got, want)
 
@@ -68,6 +59,6 @@ def test_thd_rope_does_not_sync_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group(2, 1))
+        _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup(2, 1))
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -16,16 +16,7 @@ from megatron.core.models.common.embeddings.rope_utils import (
     _apply_rotary_pos_emb_thd,
 )
 
-
-class _Group:
-    def __init__(self, size=1, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+from tests.support.fake_group import FakeGroup
 
 
 @pytest.fixture
@@ -53,9 +44,9 @@ def test_the_layers_of_one_packed_batch_gather_once(gathers):
     freqs = torch.randn(33, 1, 1, 8)
     for _ in range(4):  # layers, each with its queries and keys
         q, k = torch.randn(16, 4, 8), torch.randn(16, 2, 8)
-        assert torch.equal(_apply_rotary_pos_emb_thd(q, cu_seqlens, freqs, cp_group=_Group()),
+        assert torch.equal(_apply_rotary_pos_emb_thd(q, cu_seqlens, freqs, cp_group=FakeGroup()),
                            _fresh(q, cu_seqlens, freqs))
-        assert torch.equal(_apply_rotary_pos_emb_thd(k, cu_seqlens, freqs, cp_group=_Group()),
+        assert torch.equal(_apply_rotary_pos_emb_thd(k, cu_seqlens, freqs, cp_group=FakeGroup()),
                            _fresh(k, cu_seqlens, freqs))
     assert len(gathers) == 1
 
@@ -64,20 +55,20 @@ def test_another_batch_or_a_changed_one_gathers_again(gathers):
     cu_seqlens = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
     freqs = torch.randn(33, 1, 1, 8)
     t = torch.randn(16, 4, 8)
-    _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group())
+    _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())
     same_values = cu_seqlens.clone()  # another batch of the same lengths: another tensor
-    _apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group())
+    _apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=FakeGroup())
     assert len(gathers) == 2
     same_values[1:3] = torch.tensor([9, 10], dtype=torch.int32)  # lengths 9, 1, 6
-    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group()),
+    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=FakeGroup()),
                        _fresh(t, same_values, freqs))
     freqs.mul_(2)
-    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=_Group()),
+    assert torch.equal(_apply_rotary_pos_emb_thd(t, same_values, freqs, cp_group=FakeGroup()),
                        _fresh(t, same_values, freqs))
     assert len(gathers) == 4
     halves = torch.tensor([0, 8, 16], dtype=torch.int32)
-    _apply_rotary_pos_emb_thd(t, halves, freqs, cp_group=_Group())
-    _apply_rotary_pos_emb_thd(t[:8], halves, freqs, cp_group=_Group(2, 0))  # under CP 2: half the tokens
+    _apply_rotary_pos_emb_thd(t, halves, freqs, cp_group=FakeGroup())
+    _apply_rotary_pos_emb_thd(t[:8], halves, freqs, cp_group=FakeGroup(2, 0))  # under CP 2: half the tokens
     assert len(gathers) == 6
 
 
@@ -85,7 +76,7 @@ def test_learned_frequencies_are_gathered_every_time_and_get_gradients(gathers):
     cu_seqlens = torch.tensor([0, 6, 10], dtype=torch.int32)
     freqs = torch.randn(16, 1, 1, 8, requires_grad=True)
     t = torch.randn(10, 2, 8)
-    out = [_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_Group()) for _ in range(2)]
+    out = [_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup()) for _ in range(2)]
     assert len(gathers) == 2
     (grad,) = torch.autograd.grad(sum(o.sum() for o in out), freqs)
     (want,) = torch.autograd.grad(2 * _fresh(t, cu_seqlens, freqs).sum(), freqs)
