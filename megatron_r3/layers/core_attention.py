@@ -194,7 +194,9 @@ class ContextParallelDotProductAttention(MegatronModule):
         scores = torch.matmul(q * self.softmax_scale, k.transpose(-1, -2)).float()
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        if self.config.sequence_parallel:
+        if not self.training or self.attention_dropout.p == 0:
+            pass  # no random numbers: no RNG state to fork (its get/set cannot be graph-captured)
+        elif self.config.sequence_parallel:
             probs = self.attention_dropout(probs)
         else:
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -210,13 +212,16 @@ class _LastMask:
     A mask is a function of its key (local length, device, CP rank) and of the ``cu_seqlens``
     tensors it was built from. :meth:`get` returns it only for the same key and the very same
     tensors (held by weak reference, so a freed tensor's reused id cannot match) at the same
-    version (an in-place change invalidates it).
+    version (an in-place change invalidates it), and only to a CUDA graph capture if it was
+    built in one: a capture must compute the mask from its inputs, not bake in one built
+    before from the inputs it then held.
     """
 
     def __init__(self):
         self._key, self._sources, self._mask = None, (), None
 
     def get(self, key: tuple, sources: tuple) -> Optional[Tensor]:
+        key = (*key, _capturing())
         if key != self._key or len(sources) != len(self._sources):
             return None
         for tensor, (ref, version) in zip(sources, self._sources):
@@ -227,8 +232,12 @@ class _LastMask:
         return self._mask
 
     def put(self, key: tuple, sources: tuple, mask: Tensor) -> None:
-        self._key, self._mask = key, mask
+        self._key, self._mask = (*key, _capturing()), mask
         self._sources = tuple((None, None) if t is None else (weakref.ref(t), t._version) for t in sources)
 
 
 _LAST_MASK = _LastMask()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -44,11 +44,18 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 class GroupedGemmExperts(SequentialMLP):
     """``SequentialMLP`` whose local experts run as grouped GEMMs (see the module docstring)."""
 
-    def _runs_grouped(self, hidden: torch.Tensor) -> bool:
+    @property
+    def takes_device_tokens_per_expert(self) -> bool:
+        """Whether the forward takes ``tokens_per_expert`` on the device without reading it back.
+
+        Read by the MoE layer, so that the dispatcher can leave the counts on the device
+        (patch 0036). What only the input tells (an empty input, a dtype or device where
+        ``torch._grouped_mm`` cannot run) still runs ``SequentialMLP.forward``, which reads
+        device counts back: right, with a sync.
+        """
         config = self.config
         return (
             self.num_local_experts > 1
-            and hidden.shape[0] > 0
             and self.tp_group.size() == 1
             and not config.add_bias_linear
             and not (config.fp8 or config.fp4)
@@ -58,6 +65,12 @@ class GroupedGemmExperts(SequentialMLP):
             and not config.gradient_accumulation_fusion
             and not config.delay_wgrad_compute
             and config.recompute_granularity != "selective"
+        )
+
+    def _runs_grouped(self, hidden: torch.Tensor) -> bool:
+        return (
+            self.takes_device_tokens_per_expert
+            and hidden.shape[0] > 0
             and self._aligned(hidden)
             and grouped_mm_runs(hidden.device.type, hidden.dtype)
         )
@@ -98,8 +111,8 @@ class GroupedGemmExperts(SequentialMLP):
 def _group_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
     """The grouped GEMM's ``offs``: the end of each expert's rows, int32 on ``device``.
 
-    Host counts (the dispatcher's, or replay's host split sizes) go up without a sync:
-    pinned and copied asynchronously on a GPU.
+    Counts the dispatcher left on the device stay there. Host counts (the dispatcher's, or
+    replay's host split sizes) go up without a sync: pinned and copied asynchronously on a GPU.
     """
     counts = torch.as_tensor(tokens_per_expert)
     ends = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -131,6 +131,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's longest answer")
     rl.add_argument("--rollout-staleness", type=int, default=0,
                     help="optimizer steps the rollout engine's weights trail the policy's")
+    rl.add_argument("--no-rollout-cuda-graphs", dest="rollout_cuda_graphs", action="store_false",
+                    help="run the rollout engine's generation passes eagerly; by default, where a model replica "
+                         "is one GPU, they replay a CUDA graph captured on the first pass")
     rl.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip epsilon of the importance ratio")
     rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default=None,
                     help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3, the default) "

@@ -32,6 +32,7 @@ from megatron.core.utils import get_model_config
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.microbatches import RolloutMicrobatch
 from megatron_r3.dataplane.prefetch import PreparedMicrobatches
+from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 LossFn = Callable[[int, RolloutMicrobatch, torch.Tensor], tuple]
@@ -78,6 +79,7 @@ def run_pass(
     record: bool = False,
     keep_live_routes: bool = False,
     forward_only: bool = True,
+    graphs: Optional[ForwardGraphs] = None,
 ) -> PassResult:
     """Runs the schedule once over ``microbatches`` on this rank's model ``chunks``.
 
@@ -93,6 +95,8 @@ def run_pass(
         keep_live_routes: With routes, also keep what the routers' own top-k chose
             (``live_expert_ids()``, for agreement metrics).
         forward_only: No backward pass (and no autograd graph).
+        graphs: Run the microbatches that neither replay nor record routes through these
+            CUDA graphs (:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`), where they apply.
     """
     count = microbatches.num_microbatches
     if count == 0:
@@ -117,8 +121,10 @@ def run_pass(
         routings[item.index][chunk] = routing
         items[item.index][chunk] = item
         batch = item.batch
-        logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params,
-                       padding_mask=batch.dead_mask, extra_block_kwargs={"moe_routing": routing})
+        if graphs is not None and routing is None:
+            logits = graphs(model, batch)
+        else:
+            logits = forward_model(model, batch, routing)
         return logits, partial(loss_fn, item.index, batch)
 
     config = get_model_config(chunks[0])

@@ -16,7 +16,10 @@ holds the position contributes it), samples the next token from
 iteration, step, data-parallel rank)``, so every rank of a replica draws the
 same tokens, and broadcasts them to the other stages. A sample stops at the
 stop token or after ``max_new_tokens``; all data-parallel replicas run the same
-number of passes (expert parallelism spans them).
+number of passes (expert parallelism spans them). Where a replica is one GPU, the
+generation passes replay a CUDA graph captured on the first one
+(:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`; ``--no-rollout-cuda-graphs``
+runs them eagerly).
 
 One last forward-only pass over the finished samples records, per token, the
 routes every MoE layer took and the log-prob of each sampled token. The routes
@@ -46,6 +49,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.adapters import from_megatron_recorded
 from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.rl.forward_graphs import ForwardGraphs
 from megatron_r3.rl.model_pass import no_loss, run_pass, token_logprobs
 from megatron_r3.rl.replica_comm import (
     broadcast_from_last_stage,
@@ -115,6 +119,7 @@ class RolloutEngine:
         rows: How this rank packs rows.
         sampling: Temperature, length limit, stop token, seed.
         staleness: Optimizer steps the engine's weights trail the policy's by.
+        cuda_graphs: Replay the generation passes as CUDA graphs where they apply.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class RolloutEngine:
         rows: RowLayout,
         sampling: SamplingParams,
         staleness: int,
+        cuda_graphs: bool = True,
     ):
         self.chunks = list(make_chunks())
         self.spec = spec
@@ -135,6 +141,7 @@ class RolloutEngine:
         self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
         for chunk in self.chunks:
             chunk.eval()
+        self.graphs = ForwardGraphs(self.chunks) if cuda_graphs else None
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[np.ndarray], iteration: int) -> list[RolloutSample]:
@@ -169,7 +176,7 @@ class RolloutEngine:
             return no_loss({"rows": rows}, logits)
 
         outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),
-                           last_position_logits).outputs
+                           last_position_logits, graphs=self.graphs).outputs
         count = len(tokens)
         drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
         if parallel_state.is_pipeline_last_stage():

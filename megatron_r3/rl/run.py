@@ -90,7 +90,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     engine_config = transformer_config(args, device, rollout_engine=True)
     engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
                            SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
-                           args.rollout_staleness)
+                           args.rollout_staleness, cuda_graphs=args.rollout_cuda_graphs)
     return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
 
 

@@ -259,3 +259,34 @@ def test_layers_of_one_microbatch_build_the_mask_once():
     seq = torch.bucketize(torch.arange(int(cu[-1])), cu[1:], right=True)
     expected = (seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril()
     assert torch.equal(fresh, expected)
+
+
+def dropout_fork_worker(attention_dropout, training):
+    """How many times attention forks the CUDA RNG tracker in one forward."""
+    from megatron.core import tensor_parallel
+
+    device = init_parallel(Layout())
+    module = _module(1)
+    module.attention_dropout.p = attention_dropout
+    module.train(training)
+    forks = []
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    fork = tracker.fork
+
+    def counting_fork(*args, **kwargs):
+        forks.append(1)
+        return fork(*args, **kwargs)
+
+    tracker.fork = counting_fork
+    try:
+        q, k, v, _ = _full_inputs((SEQ, BATCH, HEADS, DIM), (SEQ, BATCH, GROUPS, DIM))
+        module(q.to(device), k.to(device), v.to(device), None)
+    finally:
+        tracker.fork = fork
+    return len(forks)
+
+
+@pytest.mark.parametrize("attention_dropout, training, forks", [(0.0, True, 0), (0.1, False, 0), (0.1, True, 1)])
+def test_attention_forks_the_rng_only_to_drop_out(attention_dropout, training, forks):
+    """Without dropout no RNG state is read or set (a CUDA graph capture could not set it)."""
+    assert run_workers(dropout_fork_worker, 1, attention_dropout, training) == [forks]

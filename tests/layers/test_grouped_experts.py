@@ -7,6 +7,9 @@ experts included), gated or not, fp32 or bf16, and a whole model built with
 parallelism too. What it does not cover runs ``SequentialMLP.forward``.
 """
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +178,62 @@ def _state_dict_worker():
 def test_grouped_experts_keep_sequential_mlps_parameters_and_checkpoint_keys():
     ((keys, want_keys, sharded, want_sharded, loaded),) = run_workers(_state_dict_worker, 1)
     assert keys == want_keys and sharded == want_sharded and loaded
+
+
+def _sync_worker(grouped, forward_only):
+    """'no sync', or the sync-debug error of a live pass over a packed microbatch (after a first one)."""
+    layout = Layout(packed=True)
+    device = init_parallel(layout)
+    try:
+        _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=["--moe-grouped-gemm"] if grouped else [])
+        microbatches = layout_microbatches(layout, make_sequences([9, 16, 5, 12], MODEL.vocab_size, seed=4), 2, device)
+
+        def step(mb):
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                loss = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels,
+                             packed_seq_params=mb.packed_seq_params)
+                if not forward_only:
+                    loss.float().sum().backward()
+
+        step(microbatches[0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(microbatches[1])
+            return "no sync"
+        except RuntimeError as error:
+            return str(error)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forward_only", [True, False], ids=["forward", "forward-backward"])
+def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_only):
+    """One rank holds every expert: the dispatcher leaves the counts on the device (patch 0036)."""
+    assert run_workers(_sync_worker, 1, True, forward_only, backend="nccl") == ["no sync"]
+    # Negative control: SequentialMLP splits on host counts, so the dispatcher waits for them.
+    assert run_workers(_sync_worker, 1, False, forward_only, backend="nccl") != ["no sync"]
+
+
+def _dispatch_worker(layout, flags, bias):
+    init_parallel(layout)
+    try:
+        _, (chunk,) = build_gpt(layout, dataclasses.replace(MODEL, add_bias_linear=bias), flags=flags)
+        return [m.token_dispatcher.counts_stay_on_device() for m in chunk.modules() if hasattr(m, "token_dispatcher")]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("layout, flags, bias, on_device", [
+    (Layout(), ["--moe-grouped-gemm"], False, True),
+    (Layout(), [], False, False),  # SequentialMLP takes host counts
+    (Layout(ep=2, dp=2), ["--moe-grouped-gemm"], False, False),  # the all-to-all needs host split sizes
+    (Layout(), ["--moe-grouped-gemm"], True, False),  # biases run SequentialMLP.forward
+], ids=["grouped", "sequential", "ep2", "bias"])
+def test_the_dispatcher_leaves_counts_on_the_device_only_for_grouped_experts_on_one_rank(layout, flags, bias,
+                                                                                           on_device):
+    for per_layer in run_workers(_dispatch_worker, layout.world_size, layout, flags, bias):
+        assert per_layer == [on_device] * len(MODEL.moe_layers)

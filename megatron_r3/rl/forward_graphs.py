@@ -1,0 +1,143 @@
+"""Forward-only passes of a model chunk replayed as CUDA graphs, one graph per batch shape.
+
+The rollout engine runs a forward-only pass per sampled token over packed rows of one
+shape. On a small model such a pass costs the host's time to issue its kernels, not the
+GPU's to run them (docs/benchmarks.md): captured once per shape, a pass becomes copies of
+the new inputs into the captured ones and one replay.
+
+A capture holds only while the forward reads nothing back to the host and takes no host
+value from its inputs. On one GPU per model replica it does:
+
+* the MoE dispatcher leaves the token counts on the device when one rank holds every
+  expert and the experts are grouped GEMMs (patch 0036, ``GroupedGemmExperts``);
+* core attention builds its mask on the device from ``cu_seqlens``
+  (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
+  does RoPE's token gather (patches 0024 and 0033);
+* RoPE's table length is ``max_seqlen``, a host int: the graph is captured with the row
+  length, a bound of every sample's length, which gives every position the same angles.
+
+Pipeline, tensor, context or expert parallelism, a CPU, a pass that records or replays
+routes or builds an autograd graph: those run the chunk eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_r3.dataplane.microbatches import RolloutMicrobatch
+from megatron_r3.routing_replay import MoERouting
+
+
+def forward_model(model: torch.nn.Module, batch: RolloutMicrobatch, routing: Optional[MoERouting]) -> torch.Tensor:
+    """The model chunk's forward on one microbatch: vocab-parallel logits ``[1, s_local, vocab / tp]``."""
+    return model(batch.tokens, batch.position_ids, None, packed_seq_params=batch.packed_seq_params,
+                 padding_mask=batch.dead_mask, extra_block_kwargs={"moe_routing": routing})
+
+
+def graphs_apply(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether forward-only passes of ``chunks`` can be CUDA graphs: one chunk on a GPU, one rank per replica."""
+    return len(chunks) == 1 and next(chunks[0].parameters()).device.type == "cuda" and one_rank_per_replica()
+
+
+def one_rank_per_replica() -> bool:
+    """No pipeline, tensor, context or expert parallelism: a forward talks to no other rank."""
+    return all(size == 1 for size in (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    ))
+
+
+class ForwardGraphs:
+    """Runs a model chunk's forward-only passes as CUDA graphs, captured on first sight of each shape.
+
+    Args:
+        chunks: The model chunks the passes run on; unless :func:`graphs_apply`, every
+            call runs the chunk eagerly.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]):
+        self.enabled = graphs_apply(chunks)
+        self._graphs: dict[tuple, _CapturedForward] = {}
+
+    def __call__(self, model: torch.nn.Module, batch: RolloutMicrobatch) -> torch.Tensor:
+        """The logits of ``forward_model(model, batch, None)``, from a replay where possible.
+
+        The returned tensor belongs to the graph: the next replay of the same shape
+        overwrites it, so read what is needed from it first (a loss function does).
+        """
+        key = self._key(batch)
+        if key is None or torch.is_grad_enabled():
+            return forward_model(model, batch, None)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _CapturedForward(model, batch)
+        return graph.replay(batch)
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far."""
+        return len(self._graphs)
+
+    def _key(self, batch: RolloutMicrobatch) -> Optional[tuple]:
+        params = batch.packed_seq_params
+        if not self.enabled or params is None or params.qkv_format != "thd" or batch.dead_mask is None:
+            return None
+        if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
+            return None  # self-attention rows share one cu_seqlens; anything else runs eagerly
+        padded = params.cu_seqlens_q_padded
+        return tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape), None if padded is None else tuple(padded.shape)
+
+
+class _CapturedForward:
+    """One captured forward: its input tensors, its graph and its output."""
+
+    def __init__(self, model: torch.nn.Module, batch: RolloutMicrobatch):
+        params = batch.packed_seq_params
+        row_length = batch.tokens.shape[-1]
+        self.tokens = batch.tokens.clone()
+        self.position_ids = batch.position_ids.clone()
+        self.dead_mask = batch.dead_mask.clone()
+        self.cu_seqlens = params.cu_seqlens_q.clone()
+        self.cu_seqlens_padded = None if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded.clone()
+        self.batch = _Inputs(self.tokens, self.position_ids, self.dead_mask, PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=row_length, max_seqlen_kv=row_length,
+        ))
+        # One eager pass on a side stream first, as torch asks: lazy state (caches, cuBLAS
+        # workspaces, the grouped-GEMM probe) is made outside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward_model(model, self.batch, None)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = forward_model(model, self.batch, None)
+
+    def replay(self, batch: RolloutMicrobatch) -> torch.Tensor:
+        params = batch.packed_seq_params
+        self.tokens.copy_(batch.tokens)
+        self.position_ids.copy_(batch.position_ids)
+        self.dead_mask.copy_(batch.dead_mask)
+        self.cu_seqlens.copy_(params.cu_seqlens_q)
+        if self.cu_seqlens_padded is not None:
+            self.cu_seqlens_padded.copy_(params.cu_seqlens_q_padded)
+        self.graph.replay()
+        return self.output
+
+
+class _Inputs(NamedTuple):
+    """What :func:`forward_model` reads of a microbatch."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    dead_mask: torch.Tensor
+    packed_seq_params: PackedSeqParams
