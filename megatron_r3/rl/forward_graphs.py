@@ -13,8 +13,10 @@ value from its inputs. On one GPU per model replica it does:
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
   does RoPE's token gather (patches 0024 and 0033);
-* RoPE's table length is ``max_seqlen``, a host int: the graph is captured with the row
-  length, a bound of every sample's length, which gives every position the same angles.
+* RoPE's table length is ``max_seqlen``, a host int: the graph is captured with one more
+  than the row length, a bound of every sample's length that gives every position the
+  same angles. (Not the row length itself: a table exactly as long as the packed row is
+  read as positions in the row, not in each sequence, by Megatron's THD RoPE.)
 
 Pipeline, tensor, context or expert parallelism, a CPU, a pass that records or replays
 routes or builds an autograd graph: those run the chunk eagerly.
@@ -52,6 +54,11 @@ def one_rank_per_replica() -> bool:
         parallel_state.get_expert_model_parallel_world_size(),
         parallel_state.get_expert_tensor_parallel_world_size(),
     ))
+
+
+def rope_table_length(row_length: int) -> int:
+    """The ``max_seqlen`` a graph of packed rows of ``row_length`` tokens is captured with (module docstring)."""
+    return row_length + 1
 
 
 class ForwardGraphs:
@@ -100,7 +107,7 @@ class _CapturedForward:
 
     def __init__(self, model: torch.nn.Module, batch: RolloutMicrobatch):
         params = batch.packed_seq_params
-        row_length = batch.tokens.shape[-1]
+        table_length = rope_table_length(batch.tokens.shape[-1])
         self.tokens = batch.tokens.clone()
         self.position_ids = batch.position_ids.clone()
         self.dead_mask = batch.dead_mask.clone()
@@ -109,7 +116,7 @@ class _CapturedForward:
         self.batch = _Inputs(self.tokens, self.position_ids, self.dead_mask, PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
             cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=row_length, max_seqlen_kv=row_length,
+            max_seqlen_q=table_length, max_seqlen_kv=table_length,
         ))
         # One eager pass on a side stream first, as torch asks: lazy state (caches, cuBLAS
         # workspaces, the grouped-GEMM probe) is made outside the capture.

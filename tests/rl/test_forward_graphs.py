@@ -7,6 +7,8 @@ without graphs. Where graphs do not apply (a CPU, a layout of several ranks per 
 the forward runs eagerly.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl import forward_graphs
-from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model
+from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model, rope_table_length
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt
@@ -87,6 +89,31 @@ def _cpu_worker(layout):
 
 def test_on_a_cpu_the_forward_runs_eagerly():
     assert run_workers(_cpu_worker, 1, Layout()) == [(False, 0, True)]
+
+
+def _rope_worker(lengths):
+    """Max |logit difference| from the eager forward with each RoPE table length, on the CPU."""
+    device = init_parallel(Layout())
+    try:
+        _, (chunk,) = build_gpt(Layout(), MODEL, seed=2, device=device, flags=ENGINE_FLAGS)
+        (batch,) = _batches(1, device)
+        with torch.no_grad():
+            want = forward_model(chunk, batch, None)
+            diffs = []
+            for length in lengths:
+                params = dataclasses.replace(batch.packed_seq_params, max_seqlen_q=length, max_seqlen_kv=length)
+                got = forward_model(chunk, dataclasses.replace(batch, packed_seq_params=params), None)
+                diffs.append(float((got.float() - want.float()).abs().max()))
+        return diffs
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_graphs_rope_table_gives_every_position_its_eager_angles():
+    """A graph serves rows whose longest sample changes: it takes a table longer than any sample."""
+    graph_table, row_table = run_workers(_rope_worker, 1, [rope_table_length(ROW), ROW])[0]
+    assert graph_table == 0.0
+    assert row_table > 0.0  # negative control: a table as long as the row reads positions in the row
 
 
 def _replica_worker(layout):
