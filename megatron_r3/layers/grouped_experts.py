@@ -5,7 +5,8 @@ state dict and sharded state dict (checkpoints move between the two), whose forw
 every local expert's first linear layer as one ``torch._grouped_mm`` over the tokens sorted
 by expert, the activation once, and every second linear layer as one more: 4 to 6 operators
 per MoE layer instead of 4 or 5 per expert. The group offsets are a device tensor, so the
-forward reads nothing back to the host. A small model's pass costs the host's time to
+forward reads nothing back to the host (in bf16; torch's fp32 grouped GEMM on CUDA reads the
+offsets back itself). A small model's pass costs the host's time to
 issue its operators (docs/benchmarks.md), which is what this saves.
 
 The grouped path takes what ``MLP.forward`` computes without fusions: the activation (or

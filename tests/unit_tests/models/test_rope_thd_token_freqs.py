@@ -81,3 +81,23 @@ def test_learned_frequencies_are_gathered_every_time_and_get_gradients(gathers):
     (grad,) = torch.autograd.grad(sum(o.sum() for o in out), freqs)
     (want,) = torch.autograd.grad(2 * _fresh(t, cu_seqlens, freqs).sum(), freqs)
     assert torch.allclose(grad, want)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_capture_gathers_from_its_own_inputs():
+    """Frequencies gathered before a capture, from the same tensors, are not baked into it."""
+    cu_seqlens = torch.tensor([0, 5, 12, 16], dtype=torch.int32, device="cuda")
+    freqs = torch.randn(33, 1, 1, 8, device="cuda")
+    t = torch.randn(16, 4, 8, device="cuda")
+    _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())  # gathered for these values
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())
+    outputs = []
+    for lengths in ([0, 5, 12, 16], [0, 9, 10, 16], [0, 16, 16, 16]):
+        cu_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        fresh = _apply_rotary_pos_emb_thd(t, cu_seqlens.clone(), freqs, cp_group=FakeGroup())  # another tensor
+        assert torch.equal(out, fresh)
+        outputs.append(out.clone())
+    assert not torch.equal(outputs[0], outputs[1])  # the lengths change the result
