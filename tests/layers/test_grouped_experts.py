@@ -9,7 +9,6 @@ parallelism too. What it does not cover runs ``SequentialMLP.forward``.
 
 import contextlib
 import dataclasses
-import traceback
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_r3.layers.grouped_experts import GroupedGemmExperts, grouped_mm_runs
+from megatron_r3.rl.host_syncs import counted_host_syncs
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
@@ -182,7 +182,7 @@ def test_grouped_experts_keep_sequential_mlps_parameters_and_checkpoint_keys():
 
 
 def _sync_worker(grouped, forward_only):
-    """'no sync', or the sync-debug error of a live pass over a packed microbatch (after a first one)."""
+    """The host's waits for the device (sync-debug syncs and explicit waits) in a live pass, after a first one."""
     layout = Layout(packed=True)
     device = init_parallel(layout)
     try:
@@ -199,14 +199,10 @@ def _sync_worker(grouped, forward_only):
 
         step(microbatches[0])
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        counts = {}
+        with counted_host_syncs(counts):
             step(microbatches[1])
-            return "no sync"
-        except RuntimeError:
-            return traceback.format_exc(limit=-3)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        return counts
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -218,9 +214,10 @@ def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_o
 
     In bf16, as the rollout engine runs: torch's fp32 grouped GEMM on CUDA reads the offsets back.
     """
-    assert run_workers(_sync_worker, 1, True, forward_only, backend="nccl") == ["no sync"]
-    # Negative control: SequentialMLP splits on host counts, so the dispatcher waits for them.
-    assert run_workers(_sync_worker, 1, False, forward_only, backend="nccl") != ["no sync"]
+    assert run_workers(_sync_worker, 1, True, forward_only, backend="nccl") == [{"sync_debug": 0, "waits": 0}]
+    # Negative control: SequentialMLP splits on host counts; the dispatcher waits for them, once per MoE layer.
+    (counts,) = run_workers(_sync_worker, 1, False, forward_only, backend="nccl")
+    assert counts["waits"] >= len(MODEL.moe_layers)
 
 
 def _dispatch_worker(layout, flags, bias):
