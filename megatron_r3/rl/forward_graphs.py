@@ -79,7 +79,7 @@ class ForwardGraphs:
         The returned tensor belongs to the graph: the next replay of the same shape
         overwrites it, so read what is needed from it first (a loss function does).
         """
-        key = self._key(batch)
+        key = self._key(model, batch)
         if key is None or torch.is_grad_enabled():
             return forward_model(model, batch, None)
         graph = self._graphs.get(key)
@@ -92,14 +92,15 @@ class ForwardGraphs:
         """Graphs captured so far."""
         return len(self._graphs)
 
-    def _key(self, batch: RolloutMicrobatch) -> Optional[tuple]:
+    def _key(self, model: torch.nn.Module, batch: RolloutMicrobatch) -> Optional[tuple]:
         params = batch.packed_seq_params
         if not self.enabled or params is None or params.qkv_format != "thd" or batch.dead_mask is None:
             return None
         if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
             return None  # self-attention rows share one cu_seqlens; anything else runs eagerly
         padded = params.cu_seqlens_q_padded
-        return tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape), None if padded is None else tuple(padded.shape)
+        padded_shape = None if padded is None else tuple(padded.shape)
+        return id(model), tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape), padded_shape
 
 
 class _CapturedForward:
