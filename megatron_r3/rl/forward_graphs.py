@@ -96,9 +96,9 @@ class ForwardGraphs:
         params = batch.packed_seq_params
         if not self.enabled or params is None or params.qkv_format != "thd" or batch.dead_mask is None:
             return None
-        if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
-            return None  # self-attention rows share one cu_seqlens; anything else runs eagerly
         padded = params.cu_seqlens_q_padded
+        if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not padded:
+            return None  # self-attention rows share one cu_seqlens; anything else runs eagerly
         padded_shape = None if padded is None else tuple(padded.shape)
         return id(model), tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape), padded_shape
 

@@ -172,7 +172,8 @@ class RolloutEngine:
             ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
             held, local = _local_positions(batch.row_index.numpy(), ends)  # only the CP rank that holds one
             rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
-            rows[torch.from_numpy(held).to(logits.device)] = logits[0, torch.from_numpy(local).to(logits.device)].float()
+            held, local = (torch.from_numpy(index).to(logits.device) for index in (held, local))
+            rows[held] = logits[0, local].float()
             return no_loss({"rows": rows}, logits)
 
         outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),
