@@ -1,0 +1,69 @@
+"""make install: a bytecode cache for a host torch whose bytecode Python will not keep.
+
+Python keeps a module's compiled bytecode beside its source, in ``__pycache__``, and
+writes it on first import, unless ``PYTHONDONTWRITEBYTECODE`` is set (container images
+often set it) or the folder is not writable. A GPU node's torch installed without
+bytecode (uv's default) is then compiled again by every interpreter, on every start.
+On a lent H100 host (``PYTHONDONTWRITEBYTECODE=1``) that was 6.2 s of the launcher's
+start-up (``builtins.compile``, 1,695 modules), and again in ``torchrun`` itself.
+
+``enable`` writes a ``.pth`` file into the venv that points the venv's interpreter at
+a cache folder of its own (``sys.pycache_prefix``, what ``PYTHONPYCACHEPREFIX`` sets;
+a prefix the user set wins); nothing is written beside the host's sources.
+``make install`` then imports the launcher once with writing allowed, to fill it;
+later processes read it, whatever ``PYTHONDONTWRITEBYTECODE`` says.
+
+    python tools/bytecode_cache.py needed MODULE        exit 0 when MODULE's bytecode is missing and not kept
+    python tools/bytecode_cache.py enable SITE CACHE    write SITE/_megatron_r3_bytecode.pth
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+PTH_NAME = "_megatron_r3_bytecode.pth"
+
+
+def bytecode_not_kept(source: str, dont_write: bool,
+                      writable: Callable[[str], bool] = lambda p: os.access(p, os.W_OK)) -> bool:
+    """Whether the module at ``source`` has no bytecode beside it and importing it will not write any."""
+    cached = Path(importlib.util.cache_from_source(source))
+    if cached.exists():
+        return False
+    folder = cached.parent if cached.parent.exists() else cached.parent.parent
+    return dont_write or not writable(str(folder))
+
+
+def pth_line(cache: str) -> str:
+    """The ``.pth`` line (site runs lines that start with ``import``) that sets the cache folder."""
+    return f"import sys; sys.pycache_prefix = sys.pycache_prefix or {str(Path(cache).resolve())!r}\n"
+
+
+def enable(site: str, cache: str) -> Path:
+    """Writes the ``.pth`` file into ``site`` and makes ``cache``; returns the file."""
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    pth = Path(site) / PTH_NAME
+    pth.write_text(pth_line(cache))
+    return pth
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "needed":
+        spec = importlib.util.find_spec(argv[1])
+        if spec is None or not spec.origin:
+            print(f"bytecode_cache: no module {argv[1]}", file=sys.stderr)
+            return 2
+        return 0 if bytecode_not_kept(spec.origin, sys.dont_write_bytecode) else 1
+    if len(argv) == 3 and argv[0] == "enable":
+        print(f"bytecode cache: {enable(argv[1], argv[2])} -> {argv[2]}")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
