@@ -52,6 +52,7 @@ import time
 
 STARTED = time.perf_counter()  # before the imports below (torch, Megatron), which take seconds
 
+import gc  # noqa: E402
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -74,6 +75,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
                   f"{time.perf_counter() - imported:.1f}", flush=True)
+        # The imports' objects (torch, Megatron) live as long as the process: frozen, the
+        # collector's full passes and the exit's collections no longer walk them.
+        gc.freeze()
         train(args, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)

@@ -8,7 +8,6 @@ rollout source), :func:`resume` from a checkpoint, then :func:`run_iterations`.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 import warnings
@@ -255,9 +254,6 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     checkpoint, metrics_mode = check_outputs(args, rank_log)
     started = time.perf_counter()
     run = setup(args, device, rank_log)
-    # What the imports and the set-up made lives for the whole run: later collections, exit's
-    # included, skip it (0.4 s of a 20-iteration CPU run, 5 full collections).
-    gc.freeze()
     rank_log(f" time to build the policy, its training stack and the rollout source (seconds): "
              f"{time.perf_counter() - started:.1f}")
     try:
