@@ -44,10 +44,17 @@ def pth_line(cache: str) -> str:
 
 
 def enable(site: str, cache: str) -> Path:
-    """Writes the ``.pth`` file into ``site`` and makes ``cache``; returns the file."""
+    """Writes the ``.pth`` file into ``site`` and makes ``cache``; returns the file.
+
+    Written under a temporary name and renamed: every interpreter of the venv runs the
+    file at start, so none may see half of it. (This script runs before megatron_r3 is
+    installed, so it cannot use ``megatron_r3.dataplane.output_files``.)
+    """
     Path(cache).mkdir(parents=True, exist_ok=True)
     pth = Path(site) / PTH_NAME
-    pth.write_text(pth_line(cache))
+    temporary = pth.with_name(pth.name + ".tmp")
+    temporary.write_text(pth_line(cache))
+    os.replace(temporary, pth)
     return pth
 
 
