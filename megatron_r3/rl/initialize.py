@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_r3.rl import single_rank_group
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
 
@@ -41,8 +42,21 @@ def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups:
 _agent_store: Optional[dist.Store] = None
 
 
-def init_process_group(device: torch.device) -> None:
-    """The default process group from torchrun's environment (``env://``), NCCL or gloo.
+def process_group_backend(requested: Optional[str], device: torch.device, world_size: int) -> str:
+    """``--distributed-backend``, or by default ``single_rank`` in a world of one rank (its collectives are
+    local copies: no communicator to create or destroy), NCCL on GPUs, gloo on CPUs."""
+    if requested == single_rank_group.BACKEND and world_size != 1:
+        raise RunCheckError(f"--distributed-backend {requested} runs a world of one rank, not {world_size}")
+    if requested is not None:
+        return requested
+    if world_size == 1:
+        return single_rank_group.BACKEND
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, backend: Optional[str] = None) -> None:
+    """The default process group from torchrun's environment (``env://``), on
+    :func:`process_group_backend`'s choice.
 
     Its store keys are scoped to this attempt of the worker group: after a torchrun restart
     (``--max-restarts``) the agent's store still holds the addresses the dead workers
@@ -57,16 +71,18 @@ def init_process_group(device: torch.device) -> None:
     store, rank, world_size = next(dist.rendezvous("env://"))
     _agent_store = store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
+    backend = process_group_backend(backend, device, world_size)
+    if backend == single_rank_group.BACKEND:
+        single_rank_group.register()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
                             rank=rank, world_size=world_size)
 
 
 def initialize(args: argparse.Namespace) -> torch.device:
     """Process group (from torchrun's environment unless one exists), parallel state and RNG.
 
-    CUDA and NCCL where CUDA is available, else the CPU and gloo. The flags' arithmetic with
-    the world size is checked before the parallel state is built.
+    CUDA where it is available, else the CPU; the backend is :func:`process_group_backend`'s.
+    The flags' arithmetic with the world size is checked before the parallel state is built.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -74,7 +90,7 @@ def initialize(args: argparse.Namespace) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        init_process_group(device)
+        init_process_group(device, args.distributed_backend)
     problems = world_problems(args, dist.get_world_size())
     if problems:
         raise RunCheckError("; ".join(problems))
