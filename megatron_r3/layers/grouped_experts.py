@@ -2,18 +2,19 @@
 
 :class:`GroupedGemmExperts` is ``SequentialMLP`` with the same submodules, parameters,
 state dict and sharded state dict (checkpoints move between the two), whose forward runs
-every local expert's first linear layer as one ``torch._grouped_mm`` over the tokens sorted
-by expert, the activation once, and every second linear layer as one more: 4 to 6 operators
+every local expert's first linear layer as one grouped GEMM over the tokens sorted by
+expert, the activation once, and every second linear layer as one more: 4 to 6 operators
 per MoE layer instead of 4 or 5 per expert. The group offsets are a device tensor, so the
-forward reads nothing back to the host (in bf16; torch's fp32 grouped GEMM on CUDA reads the
-offsets back itself). A small model's pass costs the host's time to
-issue its operators (docs/benchmarks.md), which is what this saves.
+forward and backward read nothing back to the host: the grouped GEMM is ``torch._grouped_mm``,
+except in fp32 on CUDA, where torch's reads the offsets back and
+:func:`~megatron_r3.layers.grouped_linear.grouped_linear` runs instead. A small model's pass
+costs the host's time to issue its operators (docs/benchmarks.md), which is what this saves.
 
 The grouped path takes what ``MLP.forward`` computes without fusions: the activation (or
 the gated one), the router's probability per token, the second linear layer. Anything
 else (biases, expert tensor parallelism, fp8, ``moe_apply_probs_on_input``, selective
-recompute of the activation, delayed weight gradients, a device or dtype whose
-``torch._grouped_mm`` cannot run forward and backward) runs ``SequentialMLP.forward``.
+recompute of the activation, delayed weight gradients, a device or dtype where neither
+grouped GEMM runs forward and backward) runs ``SequentialMLP.forward``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from functools import lru_cache
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megatron_r3.layers.grouped_linear import grouped_linear, grouped_linear_runs
 
 
 @lru_cache(maxsize=None)
@@ -42,6 +45,18 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``x[rows of g] @ weight[g].T`` for each group ``g`` of ``x``'s rows (sorted by group).
+
+    ``weight`` is ``[groups, out, in]``, ``ends`` the int32 group ends on ``x``'s device. fp32 on
+    CUDA runs :func:`~megatron_r3.layers.grouped_linear.grouped_linear`, anything else
+    ``torch._grouped_mm``.
+    """
+    if grouped_linear_runs(x):
+        return grouped_linear(x, weight, ends)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+
+
 class GroupedGemmExperts(SequentialMLP):
     """``SequentialMLP`` whose local experts run as grouped GEMMs (see the module docstring)."""
 
@@ -50,9 +65,9 @@ class GroupedGemmExperts(SequentialMLP):
         """Whether the forward takes ``tokens_per_expert`` on the device without reading it back.
 
         Read by the MoE layer, so that the dispatcher can leave the counts on the device
-        (patch 0036). What only the input tells (an empty input, a dtype or device where
-        ``torch._grouped_mm`` cannot run) still runs ``SequentialMLP.forward``, which reads
-        device counts back: right, with a sync.
+        (patch 0036). What only the input tells (an empty input, a dtype or device where no
+        grouped GEMM runs) still runs ``SequentialMLP.forward``, which reads device counts back:
+        right, with a sync.
         """
         config = self.config
         return (
@@ -69,15 +84,13 @@ class GroupedGemmExperts(SequentialMLP):
         )
 
     def _runs_grouped(self, hidden: torch.Tensor) -> bool:
-        return (
-            self.takes_device_tokens_per_expert
-            and hidden.shape[0] > 0
-            and self._aligned(hidden)
-            and grouped_mm_runs(hidden.device.type, hidden.dtype)
-        )
+        if not self.takes_device_tokens_per_expert or hidden.shape[0] == 0:
+            return False
+        return grouped_linear_runs(hidden) or (self._aligned(hidden) and grouped_mm_runs(hidden.device.type,
+                                                                                         hidden.dtype))
 
     def _aligned(self, hidden: torch.Tensor) -> bool:
-        """The grouped GEMM's CUDA kernels take rows of whole 16-byte multiples."""
+        """torch's grouped GEMM kernels on CUDA take rows of whole 16-byte multiples."""
         expert = self.local_experts[0]
         widths = (hidden.shape[-1], *expert.linear_fc1.weight.shape, *expert.linear_fc2.weight.shape)
         return all(width * hidden.element_size() % 16 == 0 for width in widths)
@@ -90,12 +103,11 @@ class GroupedGemmExperts(SequentialMLP):
             return super().forward(hidden, tokens_per_expert, permuted_probs)
         offsets = _group_offsets(tokens_per_expert, hidden.device)
         experts = self.local_experts
-        # Linear layers keep weights as [out, in]; the grouped GEMM takes [groups, in, out].
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in experts]).transpose(1, 2)
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in experts]).transpose(1, 2)
-        intermediate = self._activation(torch._grouped_mm(hidden, fc1, offs=offsets))
+        fc1 = torch.stack([expert.linear_fc1.weight for expert in experts])  # [experts, out, in]
+        fc2 = torch.stack([expert.linear_fc2.weight for expert in experts])
+        intermediate = self._activation(grouped_matmul(hidden, fc1, offsets))
         intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
-        return torch._grouped_mm(intermediate, fc2, offs=offsets), None
+        return grouped_matmul(intermediate, fc2, offsets), None
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """``MLP.forward``'s activation without fusions, gated or not."""

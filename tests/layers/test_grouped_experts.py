@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_r3.layers import grouped_experts
 from megatron_r3.layers.grouped_experts import GroupedGemmExperts, grouped_mm_runs
 from megatron_r3.rl.host_syncs import counted_host_syncs
 from tests.support.batches import layout_microbatches, make_sequences
@@ -26,17 +27,20 @@ from tests.support.tiny_moe import TinyMoE, build_gpt
 MODEL = TinyMoE(hidden_size=32, moe_ffn_hidden_size=32, num_experts=4)
 
 
-def _count_grouped_mm(monkeypatch_calls: list, device_type: str, dtype: torch.dtype):
-    """Counts ``torch._grouped_mm`` calls from now on (after the support probe for ``dtype``)."""
-    assert grouped_mm_runs(device_type, dtype)
-    original = torch._grouped_mm
+@contextlib.contextmanager
+def _counting_grouped_matmul(calls: list):
+    """Counts the grouped experts' grouped GEMMs (``torch._grouped_mm`` or the fp32 CUDA kernels) in the block."""
+    original = grouped_experts.grouped_matmul
 
     def counting(*args, **kwargs):
-        monkeypatch_calls.append(1)
+        calls.append(1)
         return original(*args, **kwargs)
 
-    torch._grouped_mm = counting
-    return original
+    grouped_experts.grouped_matmul = counting
+    try:
+        yield
+    finally:
+        grouped_experts.grouped_matmul = original
 
 
 def _experts(chunk):
@@ -57,11 +61,8 @@ def _module_worker(flags, fields, dtype, splits):
         with torch.no_grad():
             assert grouped_mm_runs(device.type, dtype)
             calls = []
-            original = _count_grouped_mm(calls, device.type, dtype)
-            try:
+            with _counting_grouped_matmul(calls):
                 experts(hidden, torch.tensor([2, 2, 0, 4]), torch.ones(8, device=device))
-            finally:
-                torch._grouped_mm = original
             assert len(calls) == 2
         results = []
         for split in splits:
@@ -73,11 +74,8 @@ def _module_worker(flags, fields, dtype, splits):
                 for p in experts.parameters():
                     p.grad = None
                 calls = []
-                original = _count_grouped_mm(calls, device.type, dtype)
-                try:
+                with _counting_grouped_matmul(calls):
                     out, bias = forward(experts, hidden, torch.tensor(split), probs)
-                finally:
-                    torch._grouped_mm = original
                 assert bias is None
                 grads = torch.autograd.grad(out, [hidden, probs, *experts.parameters()], grad_out)
                 outs[name] = (out.detach().cpu(), [g.detach().cpu() for g in grads], len(calls))
@@ -130,16 +128,13 @@ def _training_worker(layout, grouped):
         _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=flags)
         assert all(isinstance(e, GroupedGemmExperts) == grouped for e in _experts(chunk))
         calls = []
-        original = _count_grouped_mm(calls, device.type, torch.float32)
-        try:
+        with _counting_grouped_matmul(calls):
             losses = []
             for mb in layout_microbatches(layout, make_sequences([9, 16, 5, 12], MODEL.vocab_size, seed=4), 2, device):
                 loss = chunk(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, labels=mb.labels,
                              packed_seq_params=mb.packed_seq_params)
                 loss.float().sum().backward()
                 losses.append(loss.detach())
-        finally:
-            torch._grouped_mm = original
         grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters() if p.grad is not None}
         return losses, grads, len(calls)
     finally:
@@ -181,12 +176,12 @@ def test_grouped_experts_keep_sequential_mlps_parameters_and_checkpoint_keys():
     assert keys == want_keys and sharded == want_sharded and loaded
 
 
-def _sync_worker(grouped, forward_only):
+def _sync_worker(grouped, forward_only, bf16):
     """The host's waits for the device (sync-debug syncs and explicit waits) in a live pass, after a first one."""
     layout = Layout(packed=True)
     device = init_parallel(layout)
     try:
-        flags = ["--bf16", *(["--moe-grouped-gemm"] if grouped else [])]  # fp32 grouped GEMMs read offsets back
+        flags = [*(["--bf16"] if bf16 else []), *(["--moe-grouped-gemm"] if grouped else [])]
         _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=flags)
         microbatches = layout_microbatches(layout, make_sequences([9, 16, 5, 12], MODEL.vocab_size, seed=4), 2, device)
 
@@ -208,15 +203,14 @@ def _sync_worker(grouped, forward_only):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("forward_only", [True, False], ids=["forward", "forward-backward"])
-def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_only):
-    """One rank holds every expert: the dispatcher leaves the counts on the device (patch 0036).
-
-    In bf16, as the rollout engine runs: torch's fp32 grouped GEMM on CUDA reads the offsets back.
-    """
-    assert run_workers(_sync_worker, 1, True, forward_only, backend="nccl") == [{"sync_debug": 0, "waits": 0}]
+def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_only, bf16):
+    """One rank holds every expert: the dispatcher leaves the counts on the device (patch 0036), and the
+    grouped GEMMs read them there (fp32: our kernels, not torch's, which reads the offsets back)."""
+    assert run_workers(_sync_worker, 1, True, forward_only, bf16, backend="nccl") == [{"sync_debug": 0, "waits": 0}]
     # Negative control: SequentialMLP splits on host counts; the dispatcher waits for them, once per MoE layer.
-    (counts,) = run_workers(_sync_worker, 1, False, forward_only, backend="nccl")
+    (counts,) = run_workers(_sync_worker, 1, False, forward_only, bf16, backend="nccl")
     assert counts["waits"] >= len(MODEL.moe_layers)
 
 
