@@ -49,7 +49,9 @@ def step_worker(layout, host_counts, debug_mode):
     """One forward+backward of prepared microbatches under ``set_sync_debug_mode(debug_mode)``."""
     device = init_parallel(layout)
     try:
-        config, (chunk,) = build_gpt(layout, MODEL, seed=0, device=device, flags=["--moe-enable-routing-replay"])
+        # SequentialMLP (and, at EP=2, the all-to-all) need split sizes on the host.
+        config, (chunk,) = build_gpt(layout, MODEL, seed=0, device=device,
+                                     flags=["--moe-enable-routing-replay", "--no-moe-grouped-gemm"])
         exchange = host_count_exchange(config)["exchange"]
         prepared = []
         for mb in layout_microbatches(layout, DATA, 2, device):
@@ -131,10 +133,13 @@ def launcher_update_pass_worker(argv, fillers):
         parallel_state.destroy_model_parallel()
 
 
-def test_the_launchers_replayed_update_pass_makes_no_host_sync():
-    argv = ["--moe-enable-routing-replay", "--train-iters", "1"]
+@pytest.mark.parametrize("experts", ["grouped", "sequential"])
+def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
+    argv = ["--moe-enable-routing-replay", "--train-iters", "1", *(["--no-moe-grouped-gemm"] * (experts == "sequential"))]
     (result,) = run_workers(launcher_update_pass_worker, 1, argv, True, backend="nccl")
     assert result["syncs"] == 0 and result["host_split"] == result["microbatches"] > 0
-    # Without fillers the final tokens route live: Megatron's device path, which syncs.
+    # Without fillers the final tokens route live, so no host split sizes: Megatron's device path,
+    # where SequentialMLP waits for each layer's counts and grouped experts read them on the device.
     (result,) = run_workers(launcher_update_pass_worker, 1, argv, False, backend="nccl")
-    assert result["syncs"] > 0 and result["host_split"] == 0
+    assert result["host_split"] == 0
+    assert result["syncs"] > 0 if experts == "sequential" else result["syncs"] == 0

@@ -39,10 +39,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--moe-layer-freq", default="1",
                        help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated")
     model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
-    model.add_argument("--moe-grouped-gemm", action="store_true",
-                       help="the trainer's experts run as two grouped GEMMs per MoE layer (torch._grouped_mm, no "
-                            "TransformerEngine) instead of two GEMMs per expert; the same parameters and "
-                            "checkpoints (the rollout engine always runs them so)")
+    grouped = model.add_mutually_exclusive_group()
+    grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
+                         help="the trainer's experts run as two grouped GEMMs per MoE layer (no TransformerEngine; "
+                              "with no host sync on one expert rank, fp32 included) instead of two GEMMs per "
+                              "expert; the same parameters and checkpoints. The default here (Megatron-LM's is "
+                              "off); the rollout engine always runs them so")
+    grouped.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
+                         help="the trainer's experts as Megatron's SequentialMLP, two GEMMs per expert")
     model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
     model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
     model.add_argument("--init-method-std", type=float, default=0.15, help="std of the normal weight init")

@@ -124,7 +124,7 @@ def _training_worker(layout, grouped):
     """Logits and every gradient of one forward-backward over two microbatches, routing live."""
     device = init_parallel(layout)
     try:
-        flags = ["--moe-grouped-gemm"] if grouped else []
+        flags = ["--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm"]
         _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=flags)
         assert all(isinstance(e, GroupedGemmExperts) == grouped for e in _experts(chunk))
         calls = []
@@ -181,7 +181,7 @@ def _sync_worker(grouped, forward_only, bf16):
     layout = Layout(packed=True)
     device = init_parallel(layout)
     try:
-        flags = [*(["--bf16"] if bf16 else []), *(["--moe-grouped-gemm"] if grouped else [])]
+        flags = [*(["--bf16"] if bf16 else []), "--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm"]
         _, (chunk,) = build_gpt(layout, MODEL, seed=3, device=device, flags=flags)
         microbatches = layout_microbatches(layout, make_sequences([9, 16, 5, 12], MODEL.vocab_size, seed=4), 2, device)
 
@@ -225,7 +225,7 @@ def _dispatch_worker(layout, flags, bias):
 
 @pytest.mark.parametrize("layout, flags, bias, on_device", [
     (Layout(), ["--moe-grouped-gemm"], False, True),
-    (Layout(), [], False, False),  # SequentialMLP takes host counts
+    (Layout(), ["--no-moe-grouped-gemm"], False, False),  # SequentialMLP takes host counts
     (Layout(ep=2, dp=2), ["--moe-grouped-gemm"], False, False),  # the all-to-all needs host split sizes
     (Layout(), ["--moe-grouped-gemm"], True, False),  # biases run SequentialMLP.forward
 ], ids=["grouped", "sequential", "ep2", "bias"])

@@ -42,9 +42,12 @@ def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes):
     engine = transformer_config(args, CPU, rollout_engine=True)
     assert engine.moe_enable_routing_replay and engine.bf16 and engine.params_dtype == torch.bfloat16
     assert not transformer_config(args, CPU).bf16
-    # It runs its experts as grouped GEMMs, as inference engines do; the trainer only when asked.
-    assert engine.moe_grouped_gemm and not transformer_config(args, CPU).moe_grouped_gemm
+    # It runs its experts as grouped GEMMs, as inference engines do; the trainer too, unless asked not to.
+    assert engine.moe_grouped_gemm and transformer_config(args, CPU).moe_grouped_gemm
     assert transformer_config(parse_args([*flags, "--moe-grouped-gemm"]), CPU).moe_grouped_gemm
+    no_grouped = parse_args([*flags, "--no-moe-grouped-gemm"])
+    assert not transformer_config(no_grouped, CPU).moe_grouped_gemm
+    assert transformer_config(no_grouped, CPU, rollout_engine=True).moe_grouped_gemm
 
 
 def test_model_flags_reach_the_config():
