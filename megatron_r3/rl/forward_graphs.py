@@ -1,15 +1,20 @@
 """Forward-only passes of a model chunk replayed as CUDA graphs, one graph per batch shape.
 
 The rollout engine runs a forward-only pass per sampled token over packed rows of one
-shape. On a small model such a pass costs the host's time to issue its kernels, not the
-GPU's to run them (docs/benchmarks.md): captured once per shape, a pass becomes copies of
-the new inputs into the captured ones and one replay.
+shape, then one that records the routes taken; the trainer runs forward-only passes that
+route live and record (the comparison pass, R2's old-log-prob pass). On a small model such
+a pass costs the host's time to issue its kernels, not the GPU's to run them
+(docs/benchmarks.md): captured once per shape, a pass becomes copies of the new inputs into
+the captured ones and one replay. A recording pass's graph records into the ``MoERouting``
+it was captured with; each replay hands back a copy of what it recorded
+(:class:`RecordedRoutes`), so the next replay cannot overwrite routes a caller still reads.
 
 A capture holds only while the forward reads nothing back to the host and takes no host
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs (patch 0036, ``GroupedGemmExperts``);
+  expert and the experts are grouped GEMMs (patch 0036, ``GroupedGemmExperts``, whose fp32
+  GEMMs on CUDA read the group ends on the device: ``megatron_r3.layers.grouped_linear``);
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
   does RoPE's token gather (patches 0024 and 0033);
@@ -18,20 +23,22 @@ value from its inputs. On one GPU per model replica it does:
   same angles. (Not the row length itself: a table exactly as long as the packed row is
   read as positions in the row, not in each sequence, by Megatron's THD RoPE.)
 
-Pipeline, tensor, context or expert parallelism, a CPU, a pass that records or replays
-routes or builds an autograd graph: those run the chunk eagerly.
+Pipeline, tensor, context or expert parallelism, a CPU, a pass that replays routes or
+builds an autograd graph, experts that need host token counts (``SequentialMLP``): those
+run the chunk eagerly.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_r3.dataplane.microbatches import RolloutMicrobatch
-from megatron_r3.routing_replay import MoERouting
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 
 def forward_model(model: torch.nn.Module, batch: RolloutMicrobatch, routing: Optional[MoERouting]) -> torch.Tensor:
@@ -41,8 +48,11 @@ def forward_model(model: torch.nn.Module, batch: RolloutMicrobatch, routing: Opt
 
 
 def graphs_apply(chunks: Sequence[torch.nn.Module]) -> bool:
-    """Whether forward-only passes of ``chunks`` can be CUDA graphs: one chunk on a GPU, one rank per replica."""
-    return len(chunks) == 1 and next(chunks[0].parameters()).device.type == "cuda" and one_rank_per_replica()
+    """Whether forward-only passes of ``chunks`` can be CUDA graphs: one chunk on a GPU, one rank per
+    replica, and experts that take their token counts on the device."""
+    return (len(chunks) == 1 and next(chunks[0].parameters()).device.type == "cuda" and one_rank_per_replica()
+            and all(getattr(experts, "takes_device_tokens_per_expert", False) for experts in chunks[0].modules()
+                    if isinstance(experts, SequentialMLP)))
 
 
 def one_rank_per_replica() -> bool:
@@ -61,6 +71,25 @@ def rope_table_length(row_length: int) -> int:
     return row_length + 1
 
 
+class RecordedRoutes:
+    """What a replayed recording pass recorded, as the caller reads a recording ``MoERouting``.
+
+    Attributes:
+        layer_numbers: The MoE layers the routes cover.
+        keep_live_routes: False: a graph never replays routes, so there is no live top-k to keep.
+    """
+
+    keep_live_routes = False
+
+    def __init__(self, routing: MoERouting):
+        self.layer_numbers = list(routing.layer_numbers)
+        self._expert_ids = routing.recorded_expert_ids()  # stacked: a tensor of its own, not the graph's
+
+    def recorded_expert_ids(self) -> torch.Tensor:
+        """int64 ``[len(layer_numbers), num_local_tokens, topk]``, as ``MoERouting.recorded_expert_ids``."""
+        return self._expert_ids
+
+
 class ForwardGraphs:
     """Runs a model chunk's forward-only passes as CUDA graphs, captured on first sight of each shape.
 
@@ -73,19 +102,25 @@ class ForwardGraphs:
         self.enabled = graphs_apply(chunks)
         self._graphs: dict[tuple, _CapturedForward] = {}
 
-    def __call__(self, model: torch.nn.Module, batch: RolloutMicrobatch) -> torch.Tensor:
-        """The logits of ``forward_model(model, batch, None)``, from a replay where possible.
+    def __call__(self, model: torch.nn.Module, batch: RolloutMicrobatch,
+                 record: bool = False) -> tuple[torch.Tensor, Union[MoERouting, RecordedRoutes, None]]:
+        """The logits of ``model``'s forward on ``batch``, routing live, from a replay where possible.
 
-        The returned tensor belongs to the graph: the next replay of the same shape
-        overwrites it, so read what is needed from it first (a loss function does).
+        With ``record``, also the routes every MoE layer took (a recording ``MoERouting``, or
+        :class:`RecordedRoutes` from a replay); without, None. The returned logits belong to the
+        graph: the next replay of the same shape overwrites them, so read what is needed from them
+        first (a loss function does).
         """
         key = self._key(model, batch)
         if key is None or torch.is_grad_enabled():
-            return forward_model(model, batch, None)
+            routing = moe_routing_for_chunk(model, record=True) if record else None
+            return forward_model(model, batch, routing), routing
+        key = (*key, record)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _CapturedForward(model, batch)
-        return graph.replay(batch)
+            graph = self._graphs[key] = _CapturedForward(model, batch, record)
+        logits = graph.replay(batch)
+        return logits, RecordedRoutes(graph.routing) if record else None
 
     @property
     def num_graphs(self) -> int:
@@ -106,7 +141,7 @@ class ForwardGraphs:
 class _CapturedForward:
     """One captured forward: its input tensors, its graph and its output."""
 
-    def __init__(self, model: torch.nn.Module, batch: RolloutMicrobatch):
+    def __init__(self, model: torch.nn.Module, batch: RolloutMicrobatch, record: bool):
         params = batch.packed_seq_params
         table_length = rope_table_length(batch.tokens.shape[-1])
         self.tokens = batch.tokens.clone()
@@ -121,14 +156,16 @@ class _CapturedForward:
         ))
         # One eager pass on a side stream first, as torch asks: lazy state (caches, cuBLAS
         # workspaces, the grouped-GEMM probe) is made outside the capture.
+        # A recording MoERouting replays what it recorded in a second forward: one each.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward_model(model, self.batch, None)
+            forward_model(model, self.batch, moe_routing_for_chunk(model, record=True) if record else None)
         torch.cuda.current_stream().wait_stream(side)
+        self.routing = moe_routing_for_chunk(model, record=True) if record else None
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = forward_model(model, self.batch, None)
+            self.output = forward_model(model, self.batch, self.routing)
 
     def replay(self, batch: RolloutMicrobatch) -> torch.Tensor:
         params = batch.packed_seq_params

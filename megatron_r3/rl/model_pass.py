@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -32,7 +32,7 @@ from megatron.core.utils import get_model_config
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.microbatches import RolloutMicrobatch
 from megatron_r3.dataplane.prefetch import PreparedMicrobatches
-from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model
+from megatron_r3.rl.forward_graphs import ForwardGraphs, RecordedRoutes, forward_model
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 LossFn = Callable[[int, RolloutMicrobatch, torch.Tensor], tuple]
@@ -46,15 +46,16 @@ class PassResult:
     Attributes:
         outputs: The dicts ``loss_fn`` returned, in microbatch order (last pipeline stage
             only; empty elsewhere).
-        routings: Per microbatch and chunk, the ``MoERouting`` the forward used (None where
-            it routed live without recording).
+        routings: Per microbatch and chunk, the ``MoERouting`` the forward used, or the routes a
+            graph replay recorded (:class:`~megatron_r3.rl.forward_graphs.RecordedRoutes`); None
+            where it routed live without recording.
         items: Per microbatch and chunk, what the forward step was given.
         host_split_microbatches: Microbatches whose routes carried host token counts (the
             dispatcher's sync-free path) on every chunk.
     """
 
     outputs: list[dict]
-    routings: list[list[Optional[MoERouting]]]
+    routings: list[list[Union[MoERouting, RecordedRoutes, None]]]
     items: list[list[Optional[PassItem]]]
     host_split_microbatches: int
 
@@ -95,19 +96,19 @@ def run_pass(
         keep_live_routes: With routes, also keep what the routers' own top-k chose
             (``live_expert_ids()``, for agreement metrics).
         forward_only: No backward pass (and no autograd graph).
-        graphs: Run the microbatches that neither replay nor record routes through these
-            CUDA graphs (:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`), where they apply.
+        graphs: Run the microbatches that replay no routes through these CUDA graphs
+            (:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`), where they apply.
     """
     count = microbatches.num_microbatches
     if count == 0:
         raise ValueError("a pass needs at least one microbatch")
     chunk_of = {id(chunk): c for c, chunk in enumerate(chunks)}
-    routings: list[list[Optional[MoERouting]]] = [[None] * len(chunks) for _ in range(count)]
+    routings: list[list[Union[MoERouting, RecordedRoutes, None]]] = [[None] * len(chunks) for _ in range(count)]
     items: list[list[Optional[PassItem]]] = [[None] * len(chunks) for _ in range(count)]
 
     def forward_step(data_iterator, model):
         item: PassItem = next(data_iterator)
-        routing = None
+        batch = item.batch
         if item.routes is not None and replay:
             routing = moe_routing_for_chunk(
                 model, item.routes.wait(), item.routes.layer_numbers,
@@ -115,16 +116,15 @@ def run_pass(
                 host_tokens_per_expert=item.host_tokens_per_expert,
                 record=record, keep_live_routes=keep_live_routes,
             )
-        elif record:
-            routing = moe_routing_for_chunk(model, record=True)
+            logits = forward_model(model, batch, routing)
+        elif graphs is not None:
+            logits, routing = graphs(model, batch, record=record)
+        else:
+            routing = moe_routing_for_chunk(model, record=True) if record else None
+            logits = forward_model(model, batch, routing)
         chunk = chunk_of[id(model)]
         routings[item.index][chunk] = routing
         items[item.index][chunk] = item
-        batch = item.batch
-        if graphs is not None and routing is None:
-            logits = graphs(model, batch)
-        else:
-            logits = forward_model(model, batch, routing)
         return logits, partial(loss_fn, item.index, batch)
 
     config = get_model_config(chunks[0])

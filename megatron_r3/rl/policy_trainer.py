@@ -49,6 +49,7 @@ from megatron_r3.dataplane.sample_checks import SampleValueError, check_sample_v
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.dataplane.transport import PackedRoutes
+from megatron_r3.rl.forward_graphs import ForwardGraphs
 from megatron_r3.rl.logprob_mismatch import logprob_mismatch_sums
 from megatron_r3.rl.model_pass import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.rl.phase_timer import PhaseTimer
@@ -77,6 +78,9 @@ class PolicyUpdateSettings:
         temperature: The sampling temperature the log-probs refer to.
         filler_routes: Replaying the rollout's routes, give the positions no loss can see filler
             routes (the sync-free path); False routes them live.
+        cuda_graphs: Run the forward-only passes that route live (the comparison pass when
+            training replays, R2's old-log-prob pass) as CUDA graph replays where they apply
+            (:mod:`megatron_r3.rl.forward_graphs`).
     """
 
     replay_mode: Optional[str]
@@ -84,6 +88,7 @@ class PolicyUpdateSettings:
     clip_ratio: float
     temperature: float
     filler_routes: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if self.replay_mode not in (None, *REPLAY_MODES):
@@ -95,7 +100,8 @@ class PolicyUpdateSettings:
     def from_args(cls, args: argparse.Namespace) -> "PolicyUpdateSettings":
         """The settings the launcher's flags give."""
         return cls(replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-                   temperature=args.rollout_temperature, filler_routes=args.filler_routes)
+                   temperature=args.rollout_temperature, filler_routes=args.filler_routes,
+                   cuda_graphs=args.trainer_cuda_graphs)
 
     @property
     def trains_with_replay(self) -> bool:
@@ -138,6 +144,7 @@ class PolicyTrainer:
             exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                            spec.num_experts)
         self.pipeline = MicrobatchPipeline(rows, spec, exchange)
+        self.graphs = ForwardGraphs(self.chunks) if settings.cuda_graphs else None
         self.timer = timer or PhaseTimer(rows.device)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
@@ -184,7 +191,7 @@ class PolicyTrainer:
                 result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes,
                                                                  fillers=settings.filler_routes),
                                   self._mismatch_loss, replay=replays, record=has_routes and not replays,
-                                  keep_live_routes=has_routes and replays)
+                                  keep_live_routes=has_routes and replays, graphs=self.graphs)
             self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
             if has_routes:
                 self._add_agreement(sums, result)
@@ -235,7 +242,7 @@ class PolicyTrainer:
         def logprobs(index, batch, logits):
             return no_loss({"logprobs": token_logprobs(logits, batch.labels, temperature)}, logits)
 
-        result = run_pass(self.chunks, self.pipeline.prepare(samples), logprobs, record=True)
+        result = run_pass(self.chunks, self.pipeline.prepare(samples), logprobs, record=True, graphs=self.graphs)
         recorded = [[PackedRoutes(r.recorded_expert_ids(), tuple(r.layer_numbers), every_token_routed=True)
                      for r in per_chunk]
                     for per_chunk in result.routings]

@@ -22,7 +22,8 @@ generation passes replay a CUDA graph captured on the first one
 runs them eagerly).
 
 One last forward-only pass over the finished samples records, per token, the
-routes every MoE layer took and the log-prob of each sampled token. The routes
+routes every MoE layer took and the log-prob of each sampled token (a graph replay
+too, where the generation passes are). The routes
 come back through the data plane (``adapters.from_megatron_recorded`` with the
 ``RoutingPlan`` each part was recorded under, the parts of the replica's TP, CP
 and PP ranks gathered on every rank). Like vLLM and SGLang, the engine reports
@@ -234,7 +235,7 @@ class RolloutEngine:
             return no_loss({"row": row}, logits)
 
         result = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]), full_row_logprobs,
-                          record=True)
+                          record=True, graphs=self.graphs)
         outputs, routings = result.outputs, result.routings
         batches = [per_chunk[0].batch for per_chunk in result.items]
         rows = torch.zeros((len(batches), seq_length), dtype=torch.float32, device=self.rows.device)

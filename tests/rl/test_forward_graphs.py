@@ -1,10 +1,11 @@
-"""megatron_r3.rl.forward_graphs: the rollout engine's generation passes as CUDA graph replays.
+"""megatron_r3.rl.forward_graphs: forward-only passes that route live as CUDA graph replays.
 
-A replay must give the eager forward's logits bit for bit, for every batch of the captured
-shape (other sample lengths, so other ``cu_seqlens``, attention masks and RoPE angles), with
-the weights as they are at the replay; the launcher must sample the same tokens with and
-without graphs. Where graphs do not apply (a CPU, a layout of several ranks per replica)
-the forward runs eagerly.
+A replay must give the eager forward's logits (and, recording, the routes taken) bit for
+bit, for every batch of the captured shape (other sample lengths, so other ``cu_seqlens``,
+attention masks and RoPE angles), with the weights as they are at the replay, for the
+engine's bf16 model and the trainer's fp32 one; the launcher must sample the same tokens
+and train the same with and without graphs. Where graphs do not apply (a CPU, a layout of
+several ranks per replica, experts that need host token counts) the forward runs eagerly.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl import forward_graphs
 from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model, rope_table_length
+from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt
@@ -26,6 +28,7 @@ from tests.test_launch import EMBEDDED_FLAGS, train_worker
 
 MODEL = TinyMoE(hidden_size=32, moe_ffn_hidden_size=32, num_experts=4, max_sequence_length=128)
 ENGINE_FLAGS = ["--bf16", "--moe-grouped-gemm", "--moe-enable-routing-replay"]  # the engine's kind of model
+TRAINER_FLAGS = ["--moe-enable-routing-replay"]  # the trainer's: fp32, grouped experts by default
 ROW = 128
 
 
@@ -59,7 +62,7 @@ def _graph_worker():
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
                 try:
-                    got = graphs(chunk, batch).clone()
+                    got = graphs(chunk, batch)[0].clone()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                 checks.append(torch.equal(got, want))
@@ -74,6 +77,59 @@ def test_replays_give_the_eager_logits_bit_for_bit():
     assert result == {"enabled": True, "graphs": 1, "equal": [True] * 5}
 
 
+def _recording_worker(flags):
+    """Recording replays against eager recording forwards: logits and routes, and the routes an
+    earlier replay handed back, read after later replays."""
+    device = init_parallel(Layout())
+    try:
+        _, chunks = build_gpt(Layout(), MODEL, seed=2, device=device, flags=flags)
+        (chunk,) = chunks
+        graphs = ForwardGraphs(chunks)
+        checks, kept = [], []
+        with torch.no_grad():
+            for i, batch in enumerate(_batches(5, device, seed=1)):
+                if i == 3:
+                    for param in chunk.parameters():
+                        param.mul_(0.9)
+                routing = moe_routing_for_chunk(chunk, record=True)
+                want_logits = forward_model(chunk, batch, routing).clone()
+                want_routes = routing.recorded_expert_ids()
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    logits, recorded = graphs(chunk, batch, record=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                checks.append((torch.equal(logits, want_logits), torch.equal(recorded.recorded_expert_ids(), want_routes),
+                               recorded.layer_numbers == routing.layer_numbers))
+                kept.append((recorded, want_routes))
+        still = [torch.equal(recorded.recorded_expert_ids(), want) for recorded, want in kept]
+        return {"enabled": graphs.enabled, "graphs": graphs.num_graphs, "equal": checks, "kept": still}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [ENGINE_FLAGS, TRAINER_FLAGS], ids=["engine-bf16", "trainer-fp32"])
+def test_recording_replays_give_the_eager_logits_and_routes_bit_for_bit(flags):
+    (result,) = run_workers(_recording_worker, 1, flags, backend="nccl")
+    assert result == {"enabled": True, "graphs": 1, "equal": [(True, True, True)] * 5, "kept": [True] * 5}
+
+
+def _sequential_worker():
+    device = init_parallel(Layout())
+    try:
+        _, chunks = build_gpt(Layout(), MODEL, seed=2, device=device, flags=TRAINER_FLAGS + ["--no-moe-grouped-gemm"])
+        return ForwardGraphs(chunks).enabled
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+def test_experts_that_need_host_counts_run_eagerly():
+    assert run_workers(_sequential_worker, 1, backend="nccl") == [False]
+
+
 def _cpu_worker(layout):
     device = init_parallel(layout)
     try:
@@ -81,7 +137,7 @@ def _cpu_worker(layout):
         graphs = ForwardGraphs(chunks)
         (batch,) = _batches(1, device)
         with torch.no_grad():
-            same = torch.equal(graphs(chunks[0], batch), forward_model(chunks[0], batch, None))
+            same = torch.equal(graphs(chunks[0], batch)[0], forward_model(chunks[0], batch, None))
         return graphs.enabled, graphs.num_graphs, same
     finally:
         parallel_state.destroy_model_parallel()
@@ -147,10 +203,15 @@ def _counting_train_worker(argv):
 
 
 @pytest.mark.gpu
-def test_the_launcher_samples_the_same_rollouts_with_and_without_graphs():
-    argv = EMBEDDED_FLAGS + ["--train-iters", "2", "--moe-enable-routing-replay"]
+@pytest.mark.parametrize("mode", [["--moe-enable-routing-replay"], ["--moe-enable-routing-replay",
+                                                                     "--routing-replay-mode", "r2"]], ids=["r3", "r2"])
+def test_the_launcher_trains_the_same_with_and_without_graphs(mode):
+    """The engine's passes and the trainer's live forward-only passes (R3's comparison, R2's old log-probs)."""
+    argv = EMBEDDED_FLAGS + ["--train-iters", "2", *mode]
     ((with_graphs, replays),) = run_workers(_counting_train_worker, 1, argv, backend="nccl")
-    ((eager, no_replays),) = run_workers(_counting_train_worker, 1, argv + ["--no-rollout-cuda-graphs"],
-                                         backend="nccl")
-    assert replays > 0 and no_replays == 0
-    assert with_graphs == eager
+    ((eager, no_replays),) = run_workers(_counting_train_worker, 1,
+                                         argv + ["--no-rollout-cuda-graphs", "--no-trainer-cuda-graphs"], backend="nccl")
+    ((engine_only, engine_replays),) = run_workers(_counting_train_worker, 1, argv + ["--no-trainer-cuda-graphs"],
+                                                   backend="nccl")
+    assert no_replays == 0 and replays > engine_replays > 0  # the trainer's passes replayed too
+    assert with_graphs == eager == engine_only
