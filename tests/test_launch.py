@@ -94,7 +94,7 @@ def capture_passes():
     Returns the list the passes land in: per pass its owner, kind, and per microbatch and chunk
     the routes given (None: live) and taken.
     """
-    from megatron_r3.rl import policy_trainer, rollout_engine
+    from megatron_r3.rl import policy_trainer, rollout_engine, update_graphs
 
     passes = []
 
@@ -117,6 +117,7 @@ def capture_passes():
         return run_pass
 
     policy_trainer.run_pass = wrap("trainer", policy_trainer.run_pass)
+    update_graphs.run_pass = wrap("trainer", update_graphs.run_pass)  # the update pass, eager where no graph applies
     rollout_engine.run_pass = wrap("engine", rollout_engine.run_pass)
     generate = rollout_engine.RolloutEngine.generate
 

@@ -50,8 +50,9 @@ class PassResult:
             graph replay recorded (:class:`~megatron_r3.rl.forward_graphs.RecordedRoutes`); None
             where it routed live without recording.
         items: Per microbatch and chunk, what the forward step was given.
-        host_split_microbatches: Microbatches whose routes carried host token counts (the
-            dispatcher's sync-free path) on every chunk.
+        host_split_microbatches: Microbatches on the sync-free path: whose routes carried host
+            token counts (the dispatcher's split sizes) on every chunk, or that replayed a captured
+            pass (:mod:`megatron_r3.rl.update_graphs`).
     """
 
     outputs: list[dict]

@@ -57,6 +57,7 @@ from megatron_r3.rl.policy_loss import clipped_policy_loss_sums
 from megatron_r3.rl.replica_comm import is_replica_lead
 from megatron_r3.rl.routing_agreement import routing_agreement_counts
 from megatron_r3.rl.train_metrics import zero_sums
+from megatron_r3.rl.update_graphs import UpdatePassGraphs
 from megatron_r3.rl.training_stack import TrainingStack
 
 REPLAY_MODES = ("r3", "r2")
@@ -78,9 +79,9 @@ class PolicyUpdateSettings:
         temperature: The sampling temperature the log-probs refer to.
         filler_routes: Replaying the rollout's routes, give the positions no loss can see filler
             routes (the sync-free path); False routes them live.
-        cuda_graphs: Run the forward-only passes that route live (the comparison pass when
-            training replays, R2's old-log-prob pass) as CUDA graph replays where they apply
-            (:mod:`megatron_r3.rl.forward_graphs`).
+        cuda_graphs: Run the update pass and the forward-only passes that route live (the
+            comparison pass when training replays, R2's old-log-prob pass) as CUDA graph replays
+            where they apply (:mod:`megatron_r3.rl.update_graphs`, :mod:`megatron_r3.rl.forward_graphs`).
     """
 
     replay_mode: Optional[str]
@@ -145,6 +146,8 @@ class PolicyTrainer:
                                            spec.num_experts)
         self.pipeline = MicrobatchPipeline(rows, spec, exchange)
         self.graphs = ForwardGraphs(self.chunks) if settings.cuda_graphs else None
+        self.update = UpdatePassGraphs(self.chunks, lambda old: PolicyLoss(old, settings), stack.zero_grad,
+                                       settings.cuda_graphs)
         self.timer = timer or PhaseTimer(rows.device)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
@@ -201,7 +204,7 @@ class PolicyTrainer:
                                              recorded=recorded, fillers=settings.filler_routes)
         # The schedule ends with finalize_model_grads: gradients reduced and divided by the tokens.
         with self.timer.phase("pass/update"):
-            result = run_pass(self.chunks, microbatches, PolicyLoss(old_logprobs, settings), forward_only=False)
+            result = self.update.run(microbatches, old_logprobs)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
             for out in result.outputs:

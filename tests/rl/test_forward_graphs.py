@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl import forward_graphs
+from megatron_r3.rl import forward_graphs, update_graphs
 from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model, rope_table_length
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.launcher import run_workers
@@ -188,30 +188,39 @@ def test_graphs_need_one_rank_per_model_replica(layout, one):
 
 
 def _counting_train_worker(argv):
-    replays = []
-    replay = forward_graphs._CapturedForward.replay
+    """The launcher's metrics, and how many forward-only and update passes replayed a graph."""
+    replays = {"forward": 0, "update": 0}
+    forward_replay, update_replay = forward_graphs._CapturedForward.replay, update_graphs._CapturedUpdate.replay
 
-    def counting(self, batch):
-        replays.append(1)
-        return replay(self, batch)
+    def counting_forward(self, batch):
+        replays["forward"] += 1
+        return forward_replay(self, batch)
 
-    forward_graphs._CapturedForward.replay = counting
+    def counting_update(self, item, old):
+        replays["update"] += 1
+        return update_replay(self, item, old)
+
+    forward_graphs._CapturedForward.replay = counting_forward
+    update_graphs._CapturedUpdate.replay = counting_update
     timings = {"tokens_per_s", "elapsed_s", "eta_s"}
     history = train_worker(argv)["history"]
     return [{key: value for key, value in metrics.items() if key not in timings and not key.startswith("time/")}
-            for metrics in history], len(replays)
+            for metrics in history], replays
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [["--moe-enable-routing-replay"], ["--moe-enable-routing-replay",
                                                                      "--routing-replay-mode", "r2"]], ids=["r3", "r2"])
 def test_the_launcher_trains_the_same_with_and_without_graphs(mode):
-    """The engine's passes and the trainer's live forward-only passes (R3's comparison, R2's old log-probs)."""
-    argv = EMBEDDED_FLAGS + ["--train-iters", "2", *mode]
+    """The engine's passes, the trainer's live forward-only passes (R3's comparison, R2's old log-probs) and
+    its update passes: the same metrics (losses, gradient norms, mismatch) with graphs and without."""
+    argv = EMBEDDED_FLAGS + ["--train-iters", "2", "--micro-batch-size", "4", *mode]  # one microbatch a pass
     ((with_graphs, replays),) = run_workers(_counting_train_worker, 1, argv, backend="nccl")
     ((eager, no_replays),) = run_workers(_counting_train_worker, 1,
                                          argv + ["--no-rollout-cuda-graphs", "--no-trainer-cuda-graphs"], backend="nccl")
     ((engine_only, engine_replays),) = run_workers(_counting_train_worker, 1, argv + ["--no-trainer-cuda-graphs"],
                                                    backend="nccl")
-    assert no_replays == 0 and replays > engine_replays > 0  # the trainer's passes replayed too
+    assert no_replays == {"forward": 0, "update": 0} and engine_replays["update"] == 0
+    assert replays["forward"] > engine_replays["forward"] > 0  # the trainer's forward-only passes replayed too
+    assert replays["update"] == 2  # every update pass, the first right after its capture
     assert with_graphs == eager == engine_only
