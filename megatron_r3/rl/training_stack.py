@@ -20,18 +20,26 @@
   skipped (``step()`` returns ``success=False``; the weights and the Adam moments stay
   as they were);
 * ``OptimizerParamScheduler``, stepped once per iteration (its steps are iterations).
+
+On a GPU, DDP is built on Megatron's shared capture stream, as Megatron-LM builds it for
+full-iteration CUDA graphs: DDP keeps each parameter's ``AccumulateGrad`` node, and autograd
+accumulates a gradient on the stream its node was made on. A backward issued on another stream
+joins the two (the trainer runs its update passes on that stream, :func:`on_training_stream`);
+a captured backward must not join a stream outside the capture.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.full_cuda_graph import get_shared_capture_stream
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -158,7 +166,8 @@ def build_training_stack(
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=_bucket_size(args),
     )
-    model = _wrap(chunks, config, ddp_config)
+    with on_training_stream(next(chunks[0].parameters()).device):
+        model = _wrap(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce:
         config.no_sync_func = [wrapper.no_sync for wrapper in model]
@@ -183,6 +192,25 @@ def build_training_stack(
         override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     return TrainingStack(model, optimizer, scheduler)
+
+
+@contextlib.contextmanager
+def on_training_stream(device: torch.device) -> Iterator[None]:
+    """Runs the block on the stream DDP is built on (module docstring); on a CPU, as it is.
+
+    The stream waits for the current one's work before the block, and the current stream for
+    the block's work after it.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    stream = get_shared_capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def _bucket_size(args: argparse.Namespace) -> Optional[int]:

@@ -16,11 +16,14 @@ A capture holds while:
 * nothing is read back to the host: the routes replay on the device and the dispatcher keeps
   its token counts there (host split sizes would be constants of the graph, so the capture
   does not take them), and the loss's outputs stay on the device until the replay is done;
-* collectives are the ``single_rank`` backend's local copies, or NCCL communicators that
-  exist before the capture (it runs the pass once eagerly first, on a side stream, as torch
-  asks).
+* collectives are within one rank: the ``single_rank`` backend's local copies, or NCCL
+  communicators of one rank that exist before the capture (it runs the pass once eagerly
+  first, as torch asks);
+* the backward accumulates on the stream it runs on: every update pass, eager or captured,
+  runs on the stream DDP was built on (:func:`~megatron_r3.rl.training_stack.on_training_stream`).
 
-Several microbatches or chunks, or a row that is not THD, run eagerly.
+Several microbatches or chunks, several data-parallel ranks, or a row that is not THD run
+eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
@@ -36,6 +40,7 @@ from megatron_r3.dataplane.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.transport import PackedRoutes
 from megatron_r3.rl.forward_graphs import graphs_apply, rope_table_length
 from megatron_r3.rl.model_pass import LossFn, PassResult, run_pass
+from megatron_r3.rl.training_stack import on_training_stream
 
 # The microbatch's device tensors a pass reads (RolloutMicrobatch fields).
 _BATCH_TENSORS = ("tokens", "labels", "loss_mask", "rollout_logprobs", "advantages", "dead_mask", "position_ids")
@@ -57,7 +62,9 @@ class UpdatePassGraphs:
                  make_loss: Callable[[Optional[Sequence[torch.Tensor]]], LossFn], zero_grad: Callable[[], None],
                  cuda_graphs: bool = True):
         self.chunks = list(chunks)
-        self.enabled = cuda_graphs and graphs_apply(self.chunks)
+        self.enabled = (cuda_graphs and graphs_apply(self.chunks)
+                        and parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1)
+        self._device = next(self.chunks[0].parameters()).device
         self._make_loss = make_loss
         self._zero_grad = zero_grad
         self._graphs: dict[tuple, _CapturedUpdate] = {}
@@ -70,6 +77,10 @@ class UpdatePassGraphs:
     def run(self, microbatches: PreparedMicrobatches,
             old_logprobs: Optional[Sequence[torch.Tensor]] = None) -> PassResult:
         """The update pass (forward and backward) over ``microbatches``, with DDP's buffers zeroed before."""
+        with on_training_stream(self._device):
+            return self._run(microbatches, old_logprobs)
+
+    def _run(self, microbatches: PreparedMicrobatches, old_logprobs: Optional[Sequence[torch.Tensor]]) -> PassResult:
         if not self.enabled or microbatches.num_microbatches != 1 or microbatches.num_chunks != 1:
             return run_pass(self.chunks, microbatches, self._make_loss(old_logprobs), forward_only=False)
         item: PassItem = next(microbatches.data_iterator())
@@ -132,14 +143,12 @@ class _CapturedUpdate:
         def one_pass() -> PassResult:
             return run_pass(chunks, _one_microbatch(static_item, seq_length), loss, forward_only=False)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            one_pass()
-        torch.cuda.current_stream().wait_stream(side)
+        # On the training stream (the caller's): DDP's gradient accumulation runs there too.
+        stream = torch.cuda.current_stream()
+        one_pass()
         zero_grad()  # the eager pass's gradients
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=stream):
             self.result = one_pass()
 
     def replay(self, item: PassItem, old: Optional[torch.Tensor]) -> PassResult:
