@@ -7,6 +7,7 @@ with its old log-probs, and live routing. Where graphs do not apply (a CPU, seve
 microbatches) the pass runs eagerly.
 """
 
+import numpy as np
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -40,6 +41,8 @@ def _update_worker(argv, mode):
         checks = []
         for iteration in (1, 2, 3):
             batch = run.source.batch(iteration)
+            # The task's rewards can tie within every group (all advantages 0, no gradient): draw them.
+            advantages = np.random.default_rng(iteration).standard_normal(len(batch.samples))
             old = None
             if mode == "r2":
                 old, recorded = trainer._old_logprob_pass(batch.samples)
@@ -47,7 +50,7 @@ def _update_worker(argv, mode):
             for name, update in (("eager", eager), ("graph", trainer.update)):
                 trainer.stack.zero_grad()
                 microbatches = trainer.pipeline.prepare(
-                    batch.samples, batch.advantages, rollout_routes=mode == "r3",
+                    batch.samples, advantages, rollout_routes=mode == "r3",
                     recorded=recorded if mode == "r2" else None, fillers=True)
                 torch.cuda.synchronize()
                 if name == "graph" and iteration > 1:  # captured by now: a replay may not wait for the device
