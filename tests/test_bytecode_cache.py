@@ -60,3 +60,24 @@ def test_a_prefix_the_user_set_wins(tmp_path):
     enable(str(site), str(tmp_path / "ours"))
     assert python("print(sys.pycache_prefix)", site, host, PYTHONPYCACHEPREFIX=str(tmp_path / "theirs")) == [
         str(tmp_path / "theirs")]
+
+
+def _cached(cache: Path, module: str) -> bool:
+    return any(cache.rglob(module.replace(".", "/") + ".*.pyc"))
+
+
+def test_fill_caches_what_the_launcher_imports_only_once_it_runs(tmp_path):
+    """make install's fill runs the launcher: modules a model build, a pass and a step import lazily are cached too."""
+    lazy = "torch._dynamo.codegen"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPYCACHEPREFIX=str(tmp_path / "cache"))
+    root = Path(__file__).resolve().parent.parent
+    imported = subprocess.run([sys.executable, "-W", "ignore", "-c", "import sys, launch.pretrain_gpt_r3; "
+                               f"print({lazy!r} in sys.modules)"], cwd=root, env=env, capture_output=True,
+                              text=True, check=True).stdout.split()
+    assert imported == ["False"]  # not an import of the launcher's: only a run pulls it in
+    assert not _cached(tmp_path / "cache", lazy)  # and nothing was written (PYTHONDONTWRITEBYTECODE)
+
+    subprocess.run([sys.executable, "-W", "ignore", "tools/bytecode_cache.py", "fill"], cwd=root, env=env, check=True,
+                   capture_output=True, text=True)
+    assert _cached(tmp_path / "cache", lazy) and _cached(tmp_path / "cache", "launch.pretrain_gpt_r3")

@@ -10,17 +10,26 @@ start-up (``builtins.compile``, 1,695 modules), and again in ``torchrun`` itself
 ``enable`` writes a ``.pth`` file into the venv that points the venv's interpreter at
 a cache folder of its own (``sys.pycache_prefix``, what ``PYTHONPYCACHEPREFIX`` sets;
 a prefix the user set wins); nothing is written beside the host's sources.
-``make install`` then imports the launcher once with writing allowed, to fill it;
-later processes read it, whatever ``PYTHONDONTWRITEBYTECODE`` says.
+``make install`` then fills it with writing allowed: the launcher's, torchrun's and the
+tests' imports, and the modules the launcher imports only once it runs (a model build, a
+forward and backward, Megatron's optimizer pull in ``torch._dynamo``, ``sympy``,
+``torch.distributed.checkpoint``, ...: 186 modules, 1.0 s of compiling in each start of the
+default command on a lent H100 host when only the imports were cached), by running two
+iterations of a small default loop. Later processes read it, whatever
+``PYTHONDONTWRITEBYTECODE`` says.
 
     python tools/bytecode_cache.py needed MODULE        exit 0 when MODULE's bytecode is missing and not kept
     python tools/bytecode_cache.py enable SITE CACHE    write SITE/_megatron_r3_bytecode.pth
+    python tools/bytecode_cache.py fill                 fill the cache (run by the venv's python, after install)
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Callable
@@ -58,6 +67,34 @@ def enable(site: str, cache: str) -> Path:
     return pth
 
 
+# Two iterations of the default loop (the second replays the captured graphs), small and fast.
+FILL_RUN = ["--moe-enable-routing-replay", "--train-iters", "2", "--log-interval", "1"]
+
+
+def fill() -> int:
+    """Imports, then runs the launcher in this process with bytecode writing allowed."""
+    sys.dont_write_bytecode = False
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: launch/
+    import launch.pretrain_gpt_r3 as launcher
+    import pytest  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+    import xdist  # noqa: F401
+
+    with socket.socket() as probe:  # a free port for the world of one rank
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            launcher.main(FILL_RUN)
+    except BaseException as error:  # the imports are cached already; say why the rest is not
+        print(output.getvalue()[-2000:], file=sys.stderr)
+        print(f"bytecode_cache: the launcher's run failed ({error!r}): only the imports are cached", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "needed":
         spec = importlib.util.find_spec(argv[1])
@@ -68,6 +105,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "enable":
         print(f"bytecode cache: {enable(argv[1], argv[2])} -> {argv[2]}")
         return 0
+    if argv == ["fill"]:
+        return fill()
     print(__doc__, file=sys.stderr)
     return 2
 
