@@ -282,6 +282,8 @@ def _without_final_route(routes: RolloutRoutes) -> RolloutRoutes:
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
     """True when ``flag`` is true on any rank (every replica runs the same number of passes)."""
+    if dist.get_world_size() == 1:
+        return flag
     value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())

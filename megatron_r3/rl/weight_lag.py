@@ -48,27 +48,40 @@ class LaggedWeights:
         for snapshot in self.snapshots:
             _check_matching(follower, snapshot)
         self.advances = 0
-        _copy(self.policy, self.follower)
+        # The parameters each copy reads and writes, matched once (the optimizer steps in place).
+        self._to_follower = _ParameterCopy(self.policy, self.follower)
+        self._to_snapshot = [_ParameterCopy(self.policy, snapshot) for snapshot in self.snapshots]
+        self._from_snapshot = [_ParameterCopy(snapshot, self.follower) for snapshot in self.snapshots]
+        self._to_follower()
 
     @torch.no_grad()
     def advance(self) -> None:
         """The follower takes the snapshot ``staleness`` calls old; the policy's current weights replace it."""
         self.advances += 1
         if self.staleness == 0:
-            _copy(self.policy, self.follower)
+            self._to_follower()
             return
-        slot = self.snapshots[self.advances % self.staleness]
+        slot = self.advances % self.staleness
         if self.advances > self.staleness:
-            _copy(slot, self.follower)
-        _copy(self.policy, slot)
+            self._from_snapshot[slot]()
+        self._to_snapshot[slot]()
 
 
-@torch.no_grad()
-def _copy(source: Sequence[torch.nn.Module], target: Sequence[torch.nn.Module]) -> None:
-    for source_chunk, target_chunk in zip(source, target):
-        targets = dict(target_chunk.named_parameters())
-        for name, param in source_chunk.named_parameters():
-            targets[name].copy_(param)
+class _ParameterCopy:
+    """Copies the parameters of ``source``'s chunks into ``target``'s same-named ones (casting the dtype),
+    in one ``_foreach_copy_``: a per-parameter loop costs the host more than the copies take the device."""
+
+    def __init__(self, source: Sequence[torch.nn.Module], target: Sequence[torch.nn.Module]):
+        self.sources, self.targets = [], []
+        for source_chunk, target_chunk in zip(source, target):
+            targets = dict(target_chunk.named_parameters())
+            for name, param in source_chunk.named_parameters():
+                self.sources.append(param)
+                self.targets.append(targets[name])
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        torch._foreach_copy_(self.targets, self.sources)
 
 
 def _check_matching(policy, follower) -> None:
