@@ -107,3 +107,18 @@ def test_on_a_cpu_the_update_pass_runs_eagerly():
 def test_without_graphs_or_with_sequential_experts_the_update_pass_runs_eagerly(flags):
     argv = ONE_MICROBATCH + ["--moe-enable-routing-replay", *flags]
     assert run_workers(_disabled_worker, 1, argv, backend="nccl") == [False]
+
+
+def _enabled_where_graphs_apply_worker(argv):
+    """Whether the trainer would capture its update pass, were its chunks on one GPU each."""
+    from megatron_r3.rl import update_graphs
+
+    update_graphs.graphs_apply = lambda chunks: True  # what a GPU replica of one rank would answer
+    return _disabled_worker(argv)
+
+
+@pytest.mark.parametrize("ranks, enabled", [(1, True), (2, False)], ids=["one-rank", "two-data-parallel-ranks"])
+def test_several_data_parallel_ranks_run_the_update_pass_eagerly(ranks, enabled):
+    """DDP's reduction over several ranks is not captured; one rank (the negative control) is."""
+    argv = ONE_MICROBATCH + ["--moe-enable-routing-replay", "--global-batch-size", str(4 * ranks)]
+    assert run_workers(_enabled_where_graphs_apply_worker, ranks, argv, backend="gloo") == [enabled] * ranks
