@@ -13,8 +13,9 @@ a prefix the user set wins); nothing is written beside the host's sources.
 ``make install`` then fills it with writing allowed: the launcher's, torchrun's and the
 tests' imports, and the modules the launcher imports only once it runs (a model build, a
 forward and backward, Megatron's optimizer pull in ``torch._dynamo``, ``sympy``,
-``torch.distributed.checkpoint``, ...: 186 modules, 1.0 s of compiling in each start of the
-default command on a lent H100 host when only the imports were cached), by running two
+``torch.distributed.checkpoint``, ...: 186 modules compiled from source, 1.0 s, in each start of the
+default command on a lent H100 host when only the imports were cached; cProfile's
+``source_to_code``), by running two
 iterations of a small default loop. Later processes read it, whatever
 ``PYTHONDONTWRITEBYTECODE`` says.
 

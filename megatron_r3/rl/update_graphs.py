@@ -19,8 +19,9 @@ A capture holds while:
 * collectives are within one rank: the ``single_rank`` backend's local copies, or NCCL
   communicators of one rank that exist before the capture (it runs the pass once eagerly
   first, as torch asks);
-* the backward accumulates on the stream it runs on: every update pass, eager or captured,
-  runs on the stream DDP was built on (:func:`~megatron_r3.rl.training_stack.on_training_stream`).
+* the backward accumulates each gradient on the stream DDP was built on (where its
+  ``AccumulateGrad`` node was made), so every update pass, eager or captured, runs on that
+  stream (:func:`~megatron_r3.rl.training_stack.on_training_stream`).
 
 Several microbatches or chunks, several data-parallel ranks, or a row that is not THD run
 eagerly.
