@@ -49,6 +49,15 @@ class PreparedMicrobatches:
         self._next_new = 0  # the first microbatch no chunk has taken yet
         self._iterators = [_ChunkIterator(self, chunk) for chunk in range(num_chunks)]
 
+    @classmethod
+    def of(cls, items: Sequence[Sequence[Any]], seq_length: Optional[int] = None) -> "PreparedMicrobatches":
+        """A pass over microbatches prepared already (:meth:`all_items`), e.g. the same rows run again."""
+        return cls(len(items), items.__getitem__, len(items[0]), seq_length)
+
+    def all_items(self) -> list[list]:
+        """Every microbatch's items (one per chunk), prepared now and handed to no chunk."""
+        return [list(self._prepare(index)) for index in range(self.num_microbatches)]
+
     def iterators(self) -> list["_ChunkIterator"]:
         """One data iterator per model chunk, in ``vp_stage`` order."""
         return list(self._iterators)

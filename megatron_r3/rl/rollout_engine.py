@@ -6,17 +6,20 @@ built with a bf16 config, grouped-GEMM experts and ``moe_enable_routing_replay``
 optimizer steps (:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
 SGLang: inference precision, possibly stale weights, and the routes it took.
 
-Generation is a loop of forward-only passes through Megatron's schedule over
-packed THD rows of the fixed ``seq_length`` (no KV cache: pipeline stages
-exchange activations of one shape). After each pass the last pipeline stage
-takes every unfinished sample's last-position logits (gathered over the
-tensor-parallel vocabulary shards; under context parallelism the rank that
-holds the position contributes it), samples the next token from
-``softmax(logits / temperature)`` with a generator seeded from ``(seed,
-iteration, step, data-parallel rank)``, so every rank of a replica draws the
-same tokens, and broadcasts them to the other stages. A sample stops at the
-stop token or after ``max_new_tokens``; all data-parallel replicas run the same
-number of passes (expert parallelism spans them). Where a replica is one GPU, the
+Generation is a loop of forward-only passes through Megatron's schedule over THD
+rows of the fixed ``seq_length`` (no KV cache: pipeline stages exchange activations of
+one shape), packed once per rollout with a slot of fixed length per sample
+(:class:`~megatron_r3.rl.generation_rows.GenerationRows`): each pass writes the tokens
+drawn by the one before into the rows on the device. After each pass the last pipeline
+stage takes every sample's logits at its last position (gathered over the
+tensor-parallel vocabulary shards; under context parallelism the rank that holds the
+position contributes it) and draws the next token from ``softmax(logits / temperature)``
+on the device, by inverse CDF from a uniform drawn once per rollout from ``(seed,
+iteration, data-parallel rank)`` (:mod:`megatron_r3.rl.token_sampling`), so every rank of a
+replica and every layout draw the same tokens; the other stages get them by broadcast. A
+sample stops at the stop token or after ``max_new_tokens``; all data-parallel replicas run
+the same number of passes (expert parallelism spans them), and asking whether any sample
+is still active is a step's one wait for the device. Where a replica is one GPU, the
 generation passes replay a CUDA graph captured on the first one
 (:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`; ``--no-rollout-cuda-graphs``
 runs them eagerly).
@@ -31,7 +34,7 @@ no route for the final sampled token (it never ran through the model), so the
 trainer routes that token live.
 
 Non-finite numbers stop the engine where they appear, on every rank of the
-replica: logits that are not finite before a token is sampled
+replica: logits that are not finite when a token is sampled end the generation
 (:class:`RolloutEngineError`, naming the iteration, the step and the sample),
 and log-probs that are not finite or above 0 in the recorded samples
 (:func:`megatron_r3.dataplane.sample_checks.check_logprobs`).
@@ -51,6 +54,7 @@ from megatron_r3.dataplane.adapters import from_megatron_recorded
 from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.forward_graphs import ForwardGraphs
+from megatron_r3.rl.generation_rows import GenerationRows
 from megatron_r3.rl.model_pass import no_loss, run_pass, token_logprobs
 from megatron_r3.rl.replica_comm import (
     broadcast_from_last_stage,
@@ -62,22 +66,8 @@ from megatron_r3.dataplane.microbatches import RowLayout
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.sample_checks import check_logprobs
 from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.rl.token_sampling import sample_tokens, sampling_uniforms
 from megatron_r3.rl.weight_lag import LaggedWeights
-
-
-def _local_positions(row_index: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which of ``positions`` (of the full row) this rank holds, and where in its local tokens.
-
-    Returns:
-        ``(held, local)``: the indices into ``positions`` this rank holds, and for each the index
-        of its token in ``row_index`` (where each local token sits in the full row).
-    """
-    if len(row_index) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    order = np.argsort(row_index, kind="stable")
-    at = np.minimum(np.searchsorted(row_index[order], positions), len(order) - 1)
-    found = row_index[order][at] == positions
-    return np.flatnonzero(found), order[at[found]]
 
 
 class RolloutEngineError(RuntimeError):
@@ -155,50 +145,49 @@ class RolloutEngine:
             the completion, the engine's log-prob of every token after the first, and the
             routes of every token but the final one.
         """
-        tokens = [list(map(int, p)) for p in prompts]
-        prompt_lens = [len(p) for p in prompts]
-        active = np.ones(len(tokens), dtype=bool)
-        for step in range(self.sampling.max_new_tokens):
-            if not _any_rank(bool(active.any()), self.rows.device):
-                break
-            drawn = self._next_tokens(tokens, iteration, step)
-            for i in np.flatnonzero(active):
-                tokens[i].append(int(drawn[i]))
-                active[i] = drawn[i] != self.sampling.stop_token
-        return self._record(tokens, prompt_lens)
+        count, steps = len(prompts), self.sampling.max_new_tokens
+        device = self.rows.device
+        rows = GenerationRows(self._generation_pipeline(count), prompts, steps)
+        uniforms = sampling_uniforms(self.sampling.seed, iteration, parallel_state.get_data_parallel_rank(),
+                                     steps, count).to(device)
+        drawn = torch.zeros((steps, count), dtype=torch.int64, device=device)
+        active = torch.ones(count, dtype=torch.bool, device=device)
+        taken = 0
+        while taken < steps and (taken == 0 or _any_rank(active)):
+            drawn[taken] = self._next_tokens(rows, taken, uniforms[taken])
+            # A sample stops at the stop token; every sample stops once one has logits it cannot sample.
+            active &= (drawn[taken] != self.sampling.stop_token) & (drawn[taken] >= 0).all()
+            if taken + 1 < steps:
+                rows.write(taken + 1, drawn[taken].clamp(min=0))
+            taken += 1
+        drawn = drawn[:taken].cpu().numpy()
+        broken = drawn < 0
+        if broken.any():
+            step = int(np.argmax(broken.any(axis=1)))
+            raise RolloutEngineError(
+                f"rollout engine, iteration {iteration}, step {step}: the logits of sample "
+                f"{int(np.argmax(broken[step]))} are not finite ({int(broken[step].sum())} of {count} samples): "
+                f"the engine's weights hold NaN or inf, or its activations overflowed"
+            )
+        tokens = [list(map(int, prompt)) + _completion(drawn[:, i], self.sampling.stop_token).tolist()
+                  for i, prompt in enumerate(prompts)]
+        return self._record(tokens, [len(p) for p in prompts])
 
-    def _next_tokens(self, tokens: list[list[int]], iteration: int, step: int) -> np.ndarray:
-        """One forward pass; the token drawn after each sample's last position, on every rank."""
+    def _next_tokens(self, rows: GenerationRows, step: int, uniforms: torch.Tensor) -> torch.Tensor:
+        """One forward pass; int64 ``[samples]`` on every rank: the token each sample draws at ``step``,
+        -1 where its logits are not finite. Nothing waits for the device."""
         def last_position_logits(index, batch, logits):
-            ends = np.cumsum(np.concatenate([[0], batch.padded_lens[:-1]])) + np.asarray(batch.sample_lens) - 1
-            held, local = _local_positions(batch.row_index.numpy(), ends)  # only the CP rank that holds one
-            rows = torch.zeros((len(ends), logits.shape[-1]), dtype=torch.float32, device=logits.device)
-            held, local = (torch.from_numpy(index).to(logits.device) for index in (held, local))
-            rows[held] = logits[0, local].float()
-            return no_loss({"rows": rows}, logits)
+            return no_loss({"rows": rows.last_position_rows(index, logits, step)}, logits)
 
-        outputs = run_pass(self.chunks, self._generation_pipeline(len(tokens)).prepare([_unscored(t) for t in tokens]),
-                           last_position_logits, graphs=self.graphs).outputs
-        count = len(tokens)
-        drawn = torch.zeros(count, dtype=torch.int64, device=self.rows.device)
+        outputs = run_pass(self.chunks, rows.microbatches(), last_position_logits, graphs=self.graphs).outputs
+        drawn = torch.zeros(rows.num_samples, dtype=torch.int64, device=self.rows.device)
         if parallel_state.is_pipeline_last_stage():
             vocab_shard = torch.cat([out["rows"] for out in outputs])
-            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard)).double().cpu()
+            logits = gather_vocab_parallel(sum_over_context_parallel(vocab_shard)).double()
             broken = ~torch.isfinite(logits).all(dim=-1)
-            if broken.any():  # -1 tells every stage, which then raises with the last one
-                drawn.copy_(-broken.to(torch.int64))
-            else:
-                probs = torch.softmax(logits / self.sampling.temperature, dim=-1)
-                generator = torch.Generator().manual_seed(self._sampling_seed(iteration, step))
-                drawn.copy_(torch.multinomial(probs, 1, generator=generator).flatten())
-        drawn = broadcast_from_last_stage(drawn).cpu().numpy()
-        if (drawn < 0).any():
-            raise RolloutEngineError(
-                f"rollout engine, iteration {iteration}, step {step}: the logits of sample {int(np.argmax(drawn < 0))} "
-                f"are not finite ({int((drawn < 0).sum())} of {len(drawn)} samples): the engine's weights hold "
-                f"NaN or inf, or its activations overflowed"
-            )
-        return drawn
+            drawn.copy_(torch.where(broken, -1, sample_tokens(logits.nan_to_num(), uniforms,
+                                                              self.sampling.temperature)))
+        return broadcast_from_last_stage(drawn)
 
     def _generation_pipeline(self, count: int) -> MicrobatchPipeline:
         """``count`` samples in as few rows as the schedule allows (one per pipeline stage).
@@ -218,11 +207,6 @@ class RolloutEngine:
                                seq_length=rows.seq_length * per_row)
             self._generation_pipelines[count] = MicrobatchPipeline(rows, self.spec)
         return self._generation_pipelines[count]
-
-    def _sampling_seed(self, iteration: int, step: int) -> int:
-        dp_rank = parallel_state.get_data_parallel_rank()
-        state = np.random.SeedSequence([self.sampling.seed, iteration, step, dp_rank]).generate_state(2)
-        return int(state[0]) << 32 | int(state[1])
 
     def _record(self, tokens: list[list[int]], prompt_lens: list[int]) -> list[RolloutSample]:
         """The recording pass: routes and log-probs of the finished samples."""
@@ -280,10 +264,18 @@ def _without_final_route(routes: RolloutRoutes) -> RolloutRoutes:
     return RolloutRoutes(ids, valid, routes.num_experts, routes.layer_numbers)
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True when ``flag`` is true on any rank (every replica runs the same number of passes)."""
-    if dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+def _completion(drawn: np.ndarray, stop_token: int) -> np.ndarray:
+    """A sample's draws up to and with its first stop token (all of them without one)."""
+    stops = np.flatnonzero(drawn == stop_token)
+    return drawn[:stops[0] + 1] if len(stops) else drawn
+
+
+def _any_rank(active: torch.Tensor) -> bool:
+    """True when a sample is active on any rank (every replica runs the same number of passes).
+
+    The one wait for the device in a generation step.
+    """
+    flag = active.any().to(torch.int32).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
