@@ -48,11 +48,15 @@ with nothing saved and the iteration named. The process then exits with status
 
 from __future__ import annotations
 
+import gc
 import time
 
 STARTED = time.perf_counter()  # before the imports below (torch, Megatron), which take seconds
+if __name__ == "__main__":
+    # The imports make a few hundred thousand objects that live as long as the process: the
+    # collector's passes over them while they are made find nothing to free (main() freezes them).
+    gc.disable()
 
-import gc  # noqa: E402
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -78,6 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # The imports' objects (torch, Megatron) live as long as the process: frozen, the
         # collector's full passes and the exit's collections no longer walk them.
         gc.freeze()
+        gc.enable()
         train(args, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
