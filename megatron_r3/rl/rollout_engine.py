@@ -30,8 +30,8 @@ too, where the generation passes are). The routes
 come back through the data plane (``adapters.from_megatron_recorded`` with the
 ``RoutingPlan`` each part was recorded under, the parts of the replica's TP, CP
 and PP ranks gathered on every rank). Like vLLM and SGLang, the engine reports
-no route for the final sampled token (it never ran through the model), so the
-trainer routes that token live.
+no route for the final sampled token (it never ran through the model); no loss
+sees that position, so the trainer gives it a filler route.
 
 Non-finite numbers stop the engine where they appear, on every rank of the
 replica: logits that are not finite when a token is sampled end the generation
