@@ -36,6 +36,12 @@ class RolloutSample:
     routes: Optional[RolloutRoutes] = None
     meta: dict = field(default_factory=dict)
 
+    @classmethod
+    def unscored(cls, token_ids) -> "RolloutSample":
+        """A sample to run through the model: its tokens (int64), no loss anywhere."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        return cls(token_ids=ids, loss_mask=np.zeros(len(ids), dtype=bool))
+
 
 @dataclass(frozen=True)
 class RoutingSpec:

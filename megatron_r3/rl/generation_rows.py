@@ -55,10 +55,8 @@ class GenerationRows:
     """
 
     def __init__(self, pipeline: MicrobatchPipeline, prompts: Sequence[np.ndarray], max_new_tokens: int):
-        self.max_new_tokens = max_new_tokens
         tail = np.full(max_new_tokens - 1, SLOT_FILLER, dtype=np.int64)
-        slots = [RolloutSample(token_ids=np.concatenate([np.asarray(p, dtype=np.int64), tail]),
-                               loss_mask=np.zeros(len(p) + len(tail), dtype=bool)) for p in prompts]
+        slots = [RolloutSample.unscored(np.concatenate([p, tail])) for p in prompts]
         self.items: list[list[PassItem]] = pipeline.prepare(slots).all_items()
         device = pipeline.rows.device
         self._where: list[torch.Tensor] = []  # per microbatch: [samples, max_new_tokens] local index, -1 elsewhere

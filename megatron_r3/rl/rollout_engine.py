@@ -218,8 +218,8 @@ class RolloutEngine:
             row[batch.row_index.to(logits.device)] = logprobs
             return no_loss({"row": row}, logits)
 
-        result = run_pass(self.chunks, self.pipeline.prepare([_unscored(t) for t in tokens]), full_row_logprobs,
-                          record=True, graphs=self.graphs)
+        microbatches = self.pipeline.prepare([RolloutSample.unscored(t) for t in tokens])
+        result = run_pass(self.chunks, microbatches, full_row_logprobs, record=True, graphs=self.graphs)
         outputs, routings = result.outputs, result.routings
         batches = [per_chunk[0].batch for per_chunk in result.items]
         rows = torch.zeros((len(batches), seq_length), dtype=torch.float32, device=self.rows.device)
@@ -249,12 +249,6 @@ class RolloutEngine:
                     routes=_without_final_route(routes[j]),
                 ))
         return samples
-
-
-def _unscored(tokens: list[int]) -> RolloutSample:
-    """A sample to run through the model: tokens only."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    return RolloutSample(token_ids=ids, loss_mask=np.zeros(len(ids), dtype=bool))
 
 
 def _without_final_route(routes: RolloutRoutes) -> RolloutRoutes:
