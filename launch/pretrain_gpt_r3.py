@@ -61,6 +61,12 @@ import sys  # noqa: E402
 from typing import Optional  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
+
+from megatron_r3.rl import early_cuda  # noqa: E402  (torch alone: it starts before Megatron's imports)
+
+if __name__ == "__main__":
+    early_cuda.start()  # the device's context and cuBLAS, on a thread, while Megatron imports
+
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_r3.rl.arguments import parse_args  # noqa: E402
@@ -76,6 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     try:
         imported = time.perf_counter()
+        early_cuda.wait()
         device = initialize(args)
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "

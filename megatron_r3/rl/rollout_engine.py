@@ -152,11 +152,13 @@ class RolloutEngine:
                                      steps, count).to(device)
         drawn = torch.zeros((steps, count), dtype=torch.int64, device=device)
         active = torch.ones(count, dtype=torch.bool, device=device)
+        any_active = _AnyActiveOnAnyRank(steps, device)
         taken = 0
-        while taken < steps and (taken == 0 or _any_rank(active)):
+        while taken < steps and any_active.before_step(taken):
             drawn[taken] = self._next_tokens(rows, taken, uniforms[taken])
             # A sample stops at the stop token; every sample stops once one has logits it cannot sample.
             active &= (drawn[taken] != self.sampling.stop_token) & (drawn[taken] >= 0).all()
+            any_active.after_step(taken, active)
             if taken + 1 < steps:
                 rows.write(taken + 1, drawn[taken].clamp(min=0))
             taken += 1
@@ -264,12 +266,35 @@ def _completion(drawn: np.ndarray, stop_token: int) -> np.ndarray:
     return drawn[:stops[0] + 1] if len(stops) else drawn
 
 
-def _any_rank(active: torch.Tensor) -> bool:
-    """True when a sample is active on any rank (every replica runs the same number of passes).
+class _AnyActiveOnAnyRank:
+    """Whether a sample is still active on any rank after each generation step (every replica runs
+    the same number of passes): the one wait for the device in a generation step.
 
-    The one wait for the device in a generation step.
+    On a GPU the flag is read one step late: before step ``t`` is launched, the flag after step
+    ``t - 2``, copied to pinned memory when it was computed. The wait then overlaps step ``t - 1``
+    on the device, which would otherwise idle while the host checks and launches the next pass.
+    The price is one pass past the step where the last sample stopped; its draws follow every
+    sample's stop token, and the completions end there. On a CPU nothing runs meanwhile: no lag.
     """
-    flag = active.any().to(torch.int32).reshape(1)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+
+    def __init__(self, steps: int, device: torch.device):
+        self.lag = 1 if device.type == "cuda" else 0
+        self.flags = torch.zeros(steps, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.ready = [torch.cuda.Event() for _ in range(steps)] if device.type == "cuda" else None
+
+    def after_step(self, step: int, active: torch.Tensor) -> None:
+        flag = active.any().to(torch.int32).reshape(1)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.flags[step:step + 1].copy_(flag, non_blocking=self.ready is not None)
+        if self.ready is not None:
+            self.ready[step].record()
+
+    def before_step(self, step: int) -> bool:
+        """Whether to launch ``step``: False once no sample of any rank was active ``1 + lag`` steps before."""
+        checked = step - 1 - self.lag
+        if checked < 0:
+            return True
+        if self.ready is not None:
+            self.ready[checked].synchronize()
+        return bool(self.flags[checked])

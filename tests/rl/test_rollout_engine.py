@@ -126,3 +126,52 @@ def test_generation_in_fixed_slots_draws_the_tokens_of_packing_each_step_anew(la
     completions = [t[n:] for t, n in zip(stopped, prompt_lens)]
     ends = [c.index(stop) + 1 if stop in c else MAX_NEW for c in completions]
     assert [len(c) for c in completions] == ends and min(ends) < MAX_NEW
+
+
+# Every sample drawing the stop token at one step: the engine stops there, a GPU one pass later
+# (it reads whether any sample is active one step late, so the device never waits on that check).
+
+STOP_AT = 2
+
+
+def _early_stop_worker(stop_everywhere):
+    from megatron_r3.rl import rollout_engine
+
+    device = init_parallel(Layout())
+    try:
+        config, policy = build_gpt(Layout(), MODEL, seed=4, device=device, flags=["--moe-enable-routing-replay"])
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, ROW, 2, device)
+        engine = RolloutEngine(
+            lambda: build_gpt(Layout(), MODEL, seed=4, device=device, flags=["--moe-enable-routing-replay"])[1],
+            policy, RoutingSpec.from_config(config), rows, SamplingParams(1.0, MAX_NEW, MODEL.vocab_size - 1, seed=11),
+            staleness=0)
+        passes, real_sample_tokens = [], rollout_engine.sample_tokens
+
+        def sample_tokens(logits, uniforms, temperature):
+            stop = engine.sampling.stop_token
+            drawn = real_sample_tokens(logits, uniforms, temperature)
+            drawn = torch.where(drawn == stop, 0, drawn)  # no sample stops by chance
+            passes.append(len(passes))
+            if stop_everywhere and len(passes) > STOP_AT:
+                drawn = torch.full_like(drawn, stop)
+            return drawn
+
+        rollout_engine.sample_tokens = sample_tokens
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(1, MODEL.vocab_size - 1, size=int(n)) for n in rng.integers(1, 12, size=SAMPLES)]
+        got = [s.token_ids[len(p):].tolist() for s, p in zip(engine.generate(prompts, iteration=3), prompts)]
+        return {"device": device.type, "passes": len(passes), "completions": got}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_a_rollout_where_every_sample_stops_early_ends_there(backend):
+    (endless,) = run_workers(_early_stop_worker, 1, False, backend=backend)
+    (stopped,) = run_workers(_early_stop_worker, 1, True, backend=backend)
+    stop = MODEL.vocab_size - 1
+    assert endless["passes"] == MAX_NEW and all(len(c) == MAX_NEW for c in endless["completions"])
+    # Each completion: the draws before the step, then the stop token; no token after it is kept.
+    assert stopped["completions"] == [c[:STOP_AT] + [stop] for c in endless["completions"]]
+    lag = 1 if stopped["device"] == "cuda" else 0
+    assert stopped["passes"] == STOP_AT + 1 + lag
