@@ -9,7 +9,8 @@ the driver's own entry points through ``ctypes`` for the context, torch operator
 thread takes it from there). :func:`wait` ends it before the launcher uses CUDA itself: a CUDA
 graph capture must see no other thread's CUDA work.
 
-Nothing here draws random numbers or keeps memory: the run computes what it would without it.
+Nothing here draws random numbers, and the only memory kept is cuBLAS's workspace, which the
+launcher's thread computes in with the same handle: the run computes what it would without it.
 Where there is no CUDA device (a CPU build of torch, no driver, no visible device) the thread
 finds that out and ends.
 """
