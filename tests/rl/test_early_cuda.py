@@ -72,3 +72,10 @@ def test_on_a_gpu_the_context_and_cublas_are_ready_when_wait_returns():
     # The thread kept only cuBLAS's workspace, and the launcher's thread computes in it: the
     # thread's handle went back to torch's pool, and this thread took it from there.
     assert out == "True 1 True True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_stand_in_draws_no_random_numbers(dtype):
+    state = torch.get_rng_state()
+    early_cuda._load_kernels(torch.device("cpu"), dtype)
+    assert torch.equal(torch.get_rng_state(), state)
