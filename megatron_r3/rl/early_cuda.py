@@ -1,12 +1,14 @@
 """Starting CUDA on a thread while the launcher imports Megatron.
 
 A GPU worker's first CUDA work waits in the driver: creating the device's context (0.2-0.3 s
-on an H100) and cuBLAS's first matrix product (0.1 s: its handle and its first kernel). The
+on an H100), cuBLAS's first matrix product (0.1 s: its handle and its first kernel), and the
+first use of each kernel module (10-30 ms each, dozens in the loop's first iteration). The
 imports before it (Megatron-Core and what it pulls in) are seconds of Python holding the GIL.
 :func:`start` does that CUDA work on a thread meanwhile, through calls that release the GIL:
 the driver's own entry points through ``ctypes`` for the context, torch operators for cuBLAS
 (a thread's cuBLAS handle goes back to torch's pool when the thread ends, and the launcher's
-thread takes it from there). :func:`wait` ends it before the launcher uses CUDA itself: a CUDA
+thread takes it from there) and for a tiny stand-in of an iteration's kernels
+(:func:`_load_kernels`). :func:`wait` ends it before the launcher uses CUDA itself: a CUDA
 graph capture must see no other thread's CUDA work.
 
 Nothing here draws random numbers, and the only memory kept is cuBLAS's workspace, which the
@@ -29,8 +31,8 @@ _error: Optional[BaseException] = None
 
 
 def start() -> None:
-    """Starts creating the context of this worker's device (``cuda:LOCAL_RANK``, the launcher's) and
-    cuBLAS's state on a thread."""
+    """Starts making the context of this worker's device (``cuda:LOCAL_RANK``, the launcher's), cuBLAS's
+    state and the first iteration's kernel modules on a thread."""
     global _thread
     if torch.version.cuda is None or _thread is not None:
         return
