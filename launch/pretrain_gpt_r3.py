@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron_r3.rl import early_cuda  # noqa: E402  (torch alone: it starts before Megatron's imports)
 
 if __name__ == "__main__":
-    early_cuda.start()  # the device's context and cuBLAS, on a thread, while Megatron imports
+    early_cuda.start()  # the device's context, cuBLAS and kernel modules, on a thread, while Megatron imports
 
 from megatron.core import parallel_state  # noqa: E402
 
