@@ -96,7 +96,8 @@ def _load_kernels(device: torch.device, dtype: torch.dtype) -> None:
     top, experts = torch.topk(probs, 2, dim=-1)
     order = experts.flatten().argsort(stable=True)
     routed = hidden.index_select(0, order // 2) * top.flatten()[order, None].to(dtype)
-    counts = torch.zeros(16, dtype=torch.int64, device=device).scatter_add_(0, experts.flatten(), torch.ones_like(order))
+    counts = torch.zeros(16, dtype=torch.int64, device=device).scatter_add_(0, experts.flatten(),
+                                                                           torch.ones_like(order))
     routed = torch.nn.functional.silu(routed) * routed * counts.cumsum(0)[-1].to(dtype)
     hidden = torch.zeros_like(hidden).index_add_(0, order // 2, routed)
     logits = (hidden @ weight.t()).float()
@@ -115,4 +116,3 @@ def _load_kernels(device: torch.device, dtype: torch.dtype) -> None:
     denominators = torch._foreach_sqrt(moments[1:])
     torch._foreach_add_(denominators, 1e-8)
     torch._foreach_addcdiv_(params, moments[:1], denominators, -1e-3)
-

@@ -158,8 +158,8 @@ class RolloutEngine:
             drawn[taken] = self._next_tokens(rows, taken, uniforms[taken])
             # A sample stops at the stop token; every sample stops once one has logits it cannot sample.
             active &= (drawn[taken] != self.sampling.stop_token) & (drawn[taken] >= 0).all()
-            any_active.after_step(taken, active)
-            if taken + 1 < steps:
+            if taken + 1 < steps:  # after the last step no flag is read
+                any_active.after_step(taken, active)
                 rows.write(taken + 1, drawn[taken].clamp(min=0))
             taken += 1
         drawn = drawn[:taken].cpu().numpy()
@@ -278,9 +278,10 @@ class _AnyActiveOnAnyRank:
     """
 
     def __init__(self, steps: int, device: torch.device):
-        self.lag = 1 if device.type == "cuda" else 0
-        self.flags = torch.zeros(steps, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.ready = [torch.cuda.Event() for _ in range(steps)] if device.type == "cuda" else None
+        on_gpu = device.type == "cuda"
+        self.lag = 1 if on_gpu else 0
+        self.flags = torch.zeros(steps, dtype=torch.int32, pin_memory=on_gpu)
+        self.ready = [torch.cuda.Event() for _ in range(steps)] if on_gpu else None
 
     def after_step(self, step: int, active: torch.Tensor) -> None:
         flag = active.any().to(torch.int32).reshape(1)

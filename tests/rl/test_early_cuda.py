@@ -1,6 +1,8 @@
-"""megatron_r3.rl.early_cuda: the launcher's device context and cuBLAS, started on a thread while
-Megatron imports; nothing where there is no CUDA device, and the thread's errors reach the launcher."""
+"""megatron_r3.rl.early_cuda: the launcher's device context, cuBLAS and kernel modules, started on a
+thread while Megatron imports; nothing where there is no CUDA device, and the thread's errors reach the
+launcher."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ from megatron_r3.rl import early_cuda
 def _run(code: str, **env) -> str:
     """``code`` in a fresh interpreter (its CUDA state is its own); its stdout."""
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            env={**__import__("os").environ, **env}, timeout=120)
+                            env={**os.environ, **env}, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

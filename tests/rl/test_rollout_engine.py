@@ -143,8 +143,8 @@ def _early_stop_worker(stop_everywhere):
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, ROW, 2, device)
         engine = RolloutEngine(
             lambda: build_gpt(Layout(), MODEL, seed=4, device=device, flags=["--moe-enable-routing-replay"])[1],
-            policy, RoutingSpec.from_config(config), rows, SamplingParams(1.0, MAX_NEW, MODEL.vocab_size - 1, seed=11),
-            staleness=0)
+            policy, RoutingSpec.from_config(config), rows,
+            SamplingParams(1.0, MAX_NEW, MODEL.vocab_size - 1, seed=11), staleness=0)
         passes, real_sample_tokens = [], rollout_engine.sample_tokens
 
         def sample_tokens(logits, uniforms, temperature):
