@@ -4,8 +4,10 @@
     python -m bench.step --data full --out build/bench/step-ep1.md           # every token routed
     torchrun --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md
 
-The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher,
-``SequentialMLP`` experts, bf16) runs the trainer's update pass (forward and backward of
+The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher, grouped
+experts, bf16; by default 8 layers of a Qwen3-30B-A3B-like shape: hidden 2048, 32 heads in 4
+query groups, 128 experts top-8 with SwiGLU FFNs of 768, and TransformerEngine's layers where
+TE is installed, ``--transformer-impl``) runs the trainer's update pass (forward and backward of
 ``--microbatches`` packed THD rows through Megatron's schedule, the clipped policy-gradient
 loss) on the same samples, prepared by the loop's microbatch pipeline
 (:mod:`megatron_r3.dataplane.microbatch_pipeline`, one microbatch ahead), several ways:
@@ -74,16 +76,23 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=("rollout", "full"), default="rollout")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (= world size)")
-    parser.add_argument("--num-layers", type=int, default=16)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-experts", type=int, default=8)
-    parser.add_argument("--moe-router-topk", type=int, default=2)
-    parser.add_argument("--moe-ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--num-attention-heads", type=int, default=32)
+    parser.add_argument("--num-query-groups", type=int, default=4)
+    parser.add_argument("--num-experts", type=int, default=128)
+    parser.add_argument("--moe-router-topk", type=int, default=8)
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=768)
+    parser.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="GeLU experts instead of SwiGLU")
     parser.add_argument("--seq-length", type=int, default=8192, help="length of a packed row")
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per row")
+    parser.add_argument("--micro-batch-size", type=int, default=6, help="samples per row")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
+                        help="the layers (default: TransformerEngine's where installed, as the launcher)")
+    parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset of the variants (default: all; live and upstream always run)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="passes per variant per round")
     parser.add_argument("--warmup", type=int, default=3)
@@ -115,11 +124,15 @@ def build_model(args, device):
     flags = arguments.parse_args([
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--ffn-hidden-size", str(4 * args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
+        "--num-query-groups", str(args.num_query_groups),
         "--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
         "--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size), "--vocab-size", str(args.vocab_size),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--expert-model-parallel-size", str(args.ep), "--bf16", "--moe-enable-routing-replay",
         "--init-method-std", "0.02",
+        *(["--swiglu"] if args.swiglu else []),
+        *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
+        *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
     ])
     config = model_factory.transformer_config(flags, device)
     (model,) = model_factory.build_model(flags, config, device)
@@ -194,6 +207,44 @@ def _to_router_replay(items) -> None:
     RouterReplay.set_replay_data(list(item.routes.wait()))
 
 
+def model_flops(args, sample_lens) -> float:
+    """Model FLOPs of one update pass (forward and backward: 3x the forward's matrix products) over
+    samples of ``sample_lens`` tokens, padding not counted; causal attention within each sample."""
+    h, heads, groups = args.hidden_size, args.num_attention_heads, args.num_query_groups
+    head_dim = h // heads
+    q, kv = heads * head_dim, groups * head_dim
+    fc1_width = args.moe_ffn_hidden_size * (2 if args.swiglu else 1)
+    per_token_layer = (2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * args.num_experts
+                       + args.moe_router_topk * (2 * h * fc1_width + 2 * args.moe_ffn_hidden_size * h))
+    tokens = sum(sample_lens)
+    attention = sum(4 * q * n * (n + 1) / 2 for n in sample_lens)
+    forward = tokens * (args.num_layers * per_token_layer + 2 * h * args.vocab_size) + args.num_layers * attention
+    return 3 * forward
+
+
+# Dense bf16 tensor-core peak by the vendor's datasheet (SXM parts; without sparsity).
+BF16_PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def bf16_peak(device) -> tuple[float, float]:
+    """(datasheet peak or nan, measured: the median of a large bf16 matrix product) in FLOP/s."""
+    name = torch.cuda.get_device_name(device)
+    datasheet = next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), float("nan"))
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return datasheet, 2 * n ** 3 / statistics.median(times)
+
+
 def kernel_ms(fn) -> float:
     """Device compute time of one call of fn, in ms: its kernels' time (profiler), NCCL's
     excluded (a collective's kernel also counts the time it waits for its peers)."""
@@ -215,6 +266,14 @@ def main(argv=None):
     samples = make_samples(args, tuple(chunk_moe_layers(model)), seed=100 + rank)
     update_pass = UpdatePass(args, model, config, device, samples)
     variants = ROLLOUT_VARIANTS if args.data == "rollout" else VARIANTS
+    if args.variants:
+        chosen = set(args.variants.split(",")) | {"live", "upstream"}
+        unknown = chosen - set(variants)
+        if unknown:
+            raise SystemExit(f"bench.step: unknown --variants {sorted(unknown)}; choose from {variants}")
+        variants = tuple(v for v in variants if v in chosen)
+    flops = model_flops(args, [len(s.token_ids) for s in samples])
+    tokens = sum(len(s.token_ids) for s in samples)
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
@@ -254,8 +313,9 @@ def main(argv=None):
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{v} {1e3 * per_round[v][-1]:.2f} ms" for v in variants), flush=True)
 
+    peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
-        report = render(args, device, variants, syncs, per_round, issue, device_ms)
+        report = render(args, device, config, variants, syncs, per_round, issue, device_ms, flops, tokens, peak)
         print(report)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -265,7 +325,7 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def render(args, device, variants, syncs, per_round, issue, device_ms) -> str:
+def render(args, device, config, variants, syncs, per_round, issue, device_ms, flops, tokens, peak) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
     command += shlex.join(sys.argv[1:])
@@ -279,28 +339,41 @@ def render(args, device, variants, syncs, per_round, issue, device_ms) -> str:
         "",
         f"`{command}`",
         "",
-        f"Model: {args.num_layers} MoE layers, hidden {args.hidden_size}, {args.num_experts} experts top-"
-        f"{args.moe_router_topk} ({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size}, "
-        f"bf16; {args.microbatches} microbatches per rank, each a row of {args.seq_length} tokens holding "
-        f"{args.micro_batch_size} samples: {data}. {args.rounds} rounds x {args.steps} passes per variant.",
+        f"Model: {args.num_layers} MoE layers, hidden {args.hidden_size}, {args.num_attention_heads} heads in "
+        f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
+        f"({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size} "
+        f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, layers "
+        f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}; "
+        f"{args.microbatches} microbatches per rank, each a row of {args.seq_length} tokens holding "
+        f"{args.micro_batch_size} samples: {data}. {args.rounds} rounds x {args.steps} passes per variant. "
+        f"Model FLOPs per pass and rank: {flops / 1e12:.2f} TFLOP over {tokens} tokens (3x the forward's "
+        f"matrix products, causal attention within each sample, padding not counted); bf16 peak "
+        f"{peak[0] / 1e12:.0f} TFLOP/s (datasheet, dense), {peak[1] / 1e12:.0f} TFLOP/s measured "
+        f"(an 8192^3 matrix product).",
         "",
         "| variant | sync-debug syncs / pass | event/stream waits / pass | pass ms (median) | min..max | "
-        "host issue ms | device compute ms | vs upstream | vs live |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "host issue ms | device compute ms | model TFLOP/s per GPU | of bf16 peak | tokens/s (all ranks) | "
+        "vs upstream | vs live |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
+        rate = flops / median[v]
         lines.append(
             f"| {v} | {syncs[v].get('sync_debug', '-')} | {syncs[v].get('waits', '-')} | {1e3 * median[v]:.2f} | "
             f"{1e3 * min(per_round[v]):.2f}..{1e3 * max(per_round[v]):.2f} | {1e3 * issue_median[v]:.2f} | "
-            f"{device_ms.get(v, float('nan')):.2f} | {median[v] / median['upstream']:.3f} | "
+            f"{device_ms.get(v, float('nan')):.2f} | {rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
+            f"{args.ep * tokens / median[v]:.0f} | {median[v] / median['upstream']:.3f} | "
             f"{median[v] / median['live']:.3f} |"
         )
     lines += [
         "",
-        f"Host issue time, `replay` vs `upstream`: {issue_median['replay'] / issue_median['upstream']:.3f}. "
-        f"Per-expert check of the host counts: "
-        f"{median['replay+host-splits'] / median['replay+host-splits-unchecked'] - 1:+.2%} of the pass.",
     ]
+    if "replay" in variants:
+        lines.append(f"Host issue time, `replay` vs `upstream`: "
+                     f"{issue_median['replay'] / issue_median['upstream']:.3f}.")
+    if {"replay+host-splits", "replay+host-splits-unchecked"} <= set(variants):
+        lines.append(f"Per-expert check of the host counts: "
+                     f"{median['replay+host-splits'] / median['replay+host-splits-unchecked'] - 1:+.2%} of the pass.")
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,8 @@ SMALL_MODEL = [
     "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", str(EXPERTS),
     "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32", "--normalization", "LayerNorm",
     "--init-method-std", "0.02",
+    # The local layers on every machine: the tests of TransformerEngine's choose theirs.
+    "--transformer-impl", "local",
 ]
 DUMP_FLAGS = SMALL_MODEL + ["--vocab-size", str(VOCAB), "--seq-length", "96", "--micro-batch-size", "2",
                             "--rollouts-per-prompt", "2", "--lr", "1e-3"]

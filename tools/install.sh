@@ -7,8 +7,14 @@
 # so no Triton is needed either). The sdist is therefore downloaded and
 # installed with pip's --ignore-requires-python; it is pinned by sha256.
 #
-#   PYTHON      interpreter to build the venv from (default: python3)
-#   WHEELHOUSE  folder of wheels and the megatron-core sdist: install offline
+#   PYTHON        interpreter to build the venv from (default: python3)
+#   WHEELHOUSE    folder of wheels and the sdists (megatron-core, transformer_engine_torch):
+#                 install offline
+#   R3_WITHOUT_TE 1: on a CUDA machine, install without TransformerEngine (the local layers)
+#
+# Where torch has CUDA, TransformerEngine TE_VERSION is installed too: the core wheel for
+# torch's CUDA major, the meta wheel, requirements-te.txt, and the torch extension built from
+# its sdist against this torch (it is published only as an sdist).
 #
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
@@ -17,6 +23,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 TORCH_CPU=torch==2.13.0
+TE_VERSION=2.20.2
 
 step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'make install: error: %s\n' "$*" >&2; exit 1; }
@@ -70,6 +77,35 @@ fi
 step "pinned dependencies (requirements.txt)"
 "$VPY" -m pip install -q "${PIP_ARGS[@]}" -r requirements.txt \
   || die "could not install requirements.txt (offline? put the wheels in WHEELHOUSE)"
+
+step "TransformerEngine"
+cuda_major=$("$VPY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+if [ -z "$cuda_major" ]; then
+  echo "torch has no CUDA: no TransformerEngine (the launcher runs the local layers)"
+elif [ "${R3_WITHOUT_TE:-}" = 1 ]; then
+  echo "R3_WITHOUT_TE=1: no TransformerEngine (the launcher runs the local layers)"
+elif [ "$("$VPY" -c 'import importlib.metadata as m; print(m.version("transformer_engine_torch"))' 2>/dev/null)" = "$TE_VERSION" ] \
+    && "$VPY" -c 'import transformer_engine.pytorch' 2>/dev/null; then
+  echo "transformer-engine $TE_VERSION is installed (CUDA $cuda_major)"
+else
+  te_missing() {
+    die "TransformerEngine $TE_VERSION for CUDA $cuda_major could not be installed: $1.
+Offline, WHEELHOUSE needs transformer_engine_cu$cuda_major-$TE_VERSION-*.whl, transformer_engine-$TE_VERSION-*.whl,
+transformer_engine_torch-$TE_VERSION.tar.gz and the wheels of requirements-te.txt.
+Set R3_WITHOUT_TE=1 to install without it (the local layers)."
+  }
+  "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-deps -r requirements-te.txt \
+    || te_missing "its dependencies (requirements-te.txt)"
+  "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-deps \
+    "transformer_engine_cu$cuda_major==$TE_VERSION" "transformer_engine==$TE_VERSION" \
+    || te_missing "the core wheel transformer_engine_cu$cuda_major or the meta wheel"
+  echo "building transformer_engine_torch $TE_VERSION against torch $("$VPY" -c 'import torch; print(torch.__version__)') (a few minutes)"
+  NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VPY" -m pip install -q "${PIP_ARGS[@]}" \
+    --no-build-isolation --no-deps "transformer_engine_torch==$TE_VERSION" \
+    || te_missing "the torch extension transformer_engine_torch (built from its sdist; see the compiler output above)"
+  "$VPY" -c 'import transformer_engine.pytorch' || te_missing "'import transformer_engine.pytorch' fails (above)"
+  echo "transformer-engine $TE_VERSION installed (CUDA $cuda_major)"
+fi
 
 read -r BASE SDIST_NAME SDIST_SHA256 < <("$VPY" tools/patch_series.py base)
 step "megatron-core $BASE + patches/"

@@ -14,6 +14,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
+from megatron_r3.layers.transformer_impl import TRANSFORMER_IMPLS
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
@@ -48,6 +49,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     grouped.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
                          help="the trainer's experts as Megatron's SequentialMLP, two GEMMs per expert")
     model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
+    model.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
+                       help="the layers: TransformerEngine's (Megatron's TE layer specs: TE attention with THD "
+                            "and context parallelism, fused norm and linear, TEGroupedMLP experts with "
+                            "--moe-grouped-gemm) or Megatron's local modules with megatron_r3's norm, attention "
+                            "and grouped experts (every layout, on CPUs too). Default: transformer_engine on "
+                            "GPUs where TransformerEngine is installed, else local")
+    model.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p",
+                       help="TransformerEngine attention's context-parallel communication (TE layers only)")
+    model.add_argument("--moe-permute-fusion", action="store_true",
+                       help="TransformerEngine's fused permutation of tokens to experts (TE only)")
+    model.add_argument("--moe-router-fusion", action="store_true",
+                       help="TransformerEngine's fused top-k and score function (TE only); under replay the "
+                            "replayed tokens take the unfused top-k: see docs/routing_replay.md")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated SiLU experts and MLPs (SwiGLU, as Qwen3 and DeepSeek MoE models; Megatron-LM's "
+                            "flag); default GeLU")
     model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
     model.add_argument("--init-method-std", type=float, default=0.15, help="std of the normal weight init")
     bias = model.add_mutually_exclusive_group()
@@ -59,9 +76,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--vocab-size", type=int, default=None,
                        help="divisible by the TP size (default: the task's vocabulary, rounded up to it)")
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    model.add_argument("--bf16", action="store_true",
+    model.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                        help="train in bf16 parameters and activations, with fp32 main weights in the optimizer "
-                            "(default fp32; the rollout engine is bf16)")
+                            "(default: bf16 with TransformerEngine's layers, whose THD and context-parallel "
+                            "attention needs it; fp32 with the local layers; the rollout engine is bf16)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)

@@ -24,8 +24,9 @@ value from its inputs. On one GPU per model replica it does:
   read as positions in the row, not in each sequence, by Megatron's THD RoPE.)
 
 Pipeline, tensor, context or expert parallelism, a CPU, a pass that replays routes or
-builds an autograd graph, experts that need host token counts (``SequentialMLP``): those
-run the chunk eagerly.
+builds an autograd graph, experts that need host token counts (``SequentialMLP``,
+TransformerEngine's ``TEGroupedMLP``, whose GEMMs take host split sizes): those run the
+chunk eagerly.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
 from megatron_r3.dataplane.microbatches import RolloutMicrobatch
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 
@@ -51,8 +53,8 @@ def graphs_apply(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether forward-only passes of ``chunks`` can be CUDA graphs: one chunk on a GPU, one rank per
     replica, and experts that take their token counts on the device."""
     return (len(chunks) == 1 and next(chunks[0].parameters()).device.type == "cuda" and one_rank_per_replica()
-            and all(getattr(experts, "takes_device_tokens_per_expert", False) for experts in chunks[0].modules()
-                    if isinstance(experts, SequentialMLP)))
+            and all(getattr(layer.experts, "takes_device_tokens_per_expert", False) for layer in chunks[0].modules()
+                    if isinstance(layer, MoELayer)))
 
 
 def one_rank_per_replica() -> bool:

@@ -2,8 +2,8 @@
 
 The one place a GPT is made from settings: the launcher, the benchmarks and the tests
 (``tests/support/tiny_moe.py``, through the same flags) build theirs here, so all of them
-run the same layers (:mod:`megatron_r3.layers.specs`, no TransformerEngine) under the same
-settings.
+run the same layers under the same settings: TransformerEngine's through Megatron's TE specs,
+or the local ones (:mod:`megatron_r3.layers.transformer_impl`, ``--transformer-impl``).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
+from megatron_r3.layers.transformer_impl import TE_ONLY_FLAGS, decoder_block_spec, resolve_transformer_impl
 from megatron_r3.rl.arguments import layer_freq
 from megatron_r3.routing_replay import routing_replay_check_kwargs
 
@@ -47,9 +48,16 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
             load-balancing loss, no dropout, no fusions). A field a flag sets is refused: pass the flag.
 
     Raises:
-        ValueError: ``fields`` names a field a flag sets.
+        ValueError: ``fields`` names a field a flag sets, or the layers asked for cannot run here
+            (:func:`~megatron_r3.layers.transformer_impl.resolve_transformer_impl`).
     """
-    bf16 = args.bf16 or rollout_engine
+    transformer_impl = resolve_transformer_impl(
+        args.transformer_impl, device, {name: getattr(args, name) for name in TE_ONLY_FLAGS})
+    te_fields = {}
+    if transformer_impl == "transformer_engine":
+        te_fields = dict(cp_comm_type=args.cp_comm_type, moe_permute_fusion=args.moe_permute_fusion,
+                         moe_router_fusion=args.moe_router_fusion)
+    bf16 = rollout_engine or (args.bf16 if args.bf16 is not None else transformer_impl == "transformer_engine")
     dtype = torch.bfloat16 if bf16 else torch.float32
     recompute = {}
     if args.recompute_granularity == "full":
@@ -88,6 +96,10 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         moe_enable_routing_replay=rollout_engine or routers_take_moe_routing(args),
         **routing_replay_check_kwargs(args),
         **recompute,
+        transformer_impl=transformer_impl,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        **te_fields,
     )
     flagged = sorted(fields.keys() & from_flags.keys())
     if flagged:
@@ -120,7 +132,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, device: tor
     for vp_stage in range(vp) if vp else [None]:
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage),
+            transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage),
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings or args.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

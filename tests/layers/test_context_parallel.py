@@ -63,3 +63,21 @@ def test_reads_nothing_back_to_the_host():
     device = torch.device("meta")
     placement = zigzag_placement(torch.tensor([0, 8, 16], device=device), 2, 1, 8)
     assert all(t.device == device and t.shape == (8,) for t in placement)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_placement_equals_transformer_engines_thd_partition(cp_size):
+    """The data plane places each CP rank's THD tokens (and so their routes) where TransformerEngine's
+    attention expects them: ``thd_get_partitioned_indices``, on random packings."""
+    tex = pytest.importorskip("transformer_engine_torch", reason="needs TransformerEngine")
+    gen = np.random.default_rng(cp_size)
+    for _ in range(20):
+        lens = gen.integers(1, 40, size=int(gen.integers(1, 9)))
+        padded = -(-lens // (2 * cp_size)) * (2 * cp_size)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32, device="cuda")
+        total = int(padded.sum())
+        for cp_rank in range(cp_size):
+            ours = zigzag_placement(cu, cp_size, cp_rank, total // cp_size).index
+            theirs = tex.thd_get_partitioned_indices(cu, total, cp_size, cp_rank)
+            assert torch.equal(ours.cpu(), theirs.to(torch.int64).cpu()), (padded.tolist(), cp_rank)

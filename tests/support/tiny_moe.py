@@ -68,10 +68,11 @@ def launcher_args(layout: Layout, model: TinyMoE = TinyMoE(), flags: Sequence[st
     """The launcher's parsed flags for ``model`` under ``layout``, then ``flags``.
 
     Rows of the model's full length, one sample each, and no comparison pass: the run's
-    other settings do not reach the model.
+    other settings do not reach the model. The local layers unless ``flags`` say
+    ``--transformer-impl transformer_engine``.
     """
     return parse_args([*layout.flags, *model.flags, "--seq-length", str(model.max_sequence_length),
-                       "--micro-batch-size", "1", "--no-r3-compare", *flags])
+                       "--micro-batch-size", "1", "--no-r3-compare", "--transformer-impl", "local", *flags])
 
 
 def build_gpt(

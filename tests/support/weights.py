@@ -43,6 +43,8 @@ class Shard:
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# TransformerEngine's grouped experts (TEGroupedMLP): one weight (and bias) per local expert.
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def param_shards(chunks: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Parameter, Shard]]:
@@ -64,11 +66,18 @@ def param_shards(chunks: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Param
         for name, param in chunk.named_parameters():
             full_name = _LAYER.sub(lambda m: f"decoder.layers.{layer_of[int(m.group(1))]}.", name)
             is_expert = _EXPERT.search(name) is not None
+            grouped = _GROUPED_EXPERT.search(name)
             if is_expert:
                 num_local_experts = _num_local_experts(chunk, name)
                 full_name = _EXPERT.sub(
                     lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.",
                     full_name,
+                )
+            elif grouped is not None:
+                is_expert = True
+                num_local_experts = chunk.get_submodule(name[: grouped.start(1)] + ".experts.linear_fc1").num_gemms
+                full_name = _GROUPED_EXPERT.sub(
+                    lambda m: f"{m.group(1)}{ep_rank * num_local_experts + int(m.group(2))}", full_name
                 )
             elif ".experts." in name:
                 raise NotImplementedError(f"grouped expert weights are not mapped: {name}")
@@ -108,7 +117,9 @@ def full_init(name: str, shape: tuple, seed: int, router_logit_std: float = 2.0)
     """
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if "layernorm" in name and name.endswith("weight"):
+    # Megatron's norms (``input_layernorm.weight``) and TE's norms fused into a linear layer
+    # (``linear_qkv.layer_norm_weight``).
+    if ("layernorm" in name or "layer_norm" in name) and name.endswith("weight"):
         return 1 + 0.1 * noise
     if len(shape) == 1:
         return 0.1 * noise

@@ -1,0 +1,53 @@
+"""--transformer-impl: which layers a model is built from, and what each refuses."""
+
+import pytest
+import torch
+
+from megatron_r3.layers import transformer_impl
+from megatron_r3.layers.transformer_impl import resolve_transformer_impl
+from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.model_factory import transformer_config
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
+NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False}
+
+
+@pytest.mark.parametrize("installed,device,expected", [
+    (True, GPU, "transformer_engine"),
+    (False, GPU, "local"),
+    (True, CPU, "local"),
+])
+def test_the_default_is_transformer_engine_on_a_gpu_where_it_is_installed(monkeypatch, installed, device, expected):
+    monkeypatch.setattr(transformer_impl, "transformer_engine_installed", lambda: installed)
+    assert resolve_transformer_impl(None, device, NO_FUSIONS) == expected
+
+
+def test_transformer_engine_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(transformer_impl, "transformer_engine_installed", lambda: True)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        resolve_transformer_impl("transformer_engine", CPU, NO_FUSIONS)
+    monkeypatch.setattr(transformer_impl, "transformer_engine_installed", lambda: False)
+    with pytest.raises(ValueError, match="TransformerEngine is not installed"):
+        resolve_transformer_impl("transformer_engine", GPU, NO_FUSIONS)
+
+
+@pytest.mark.parametrize("flag", ["--moe-permute-fusion", "--moe-router-fusion"])
+def test_te_only_options_are_refused_with_the_local_layers(flag):
+    args = parse_args([flag, "--transformer-impl", "local"])
+    with pytest.raises(ValueError, match=f"{flag} needs TransformerEngine's layers"):
+        transformer_config(args, CPU)
+
+
+def test_the_local_layers_train_in_fp32_unless_bf16_is_asked_for():
+    assert transformer_config(parse_args([]), CPU).params_dtype == torch.float32
+    config = transformer_config(parse_args(["--bf16"]), CPU)
+    assert config.bf16 and config.params_dtype == torch.bfloat16
+    assert transformer_config(parse_args([]), CPU, rollout_engine=True).bf16
+    assert transformer_config(parse_args([]), CPU).transformer_impl == "local"
+
+
+def test_swiglu_gates_the_experts_and_the_mlps():
+    config = transformer_config(parse_args(["--swiglu"]), CPU)
+    assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+    config = transformer_config(parse_args([]), CPU)
+    assert not config.gated_linear_unit and config.activation_func is torch.nn.functional.gelu

@@ -1,0 +1,68 @@
+"""The launcher on a GPU with TransformerEngine: its default layers, R3 on and off, embedded and dump modes."""
+
+import math
+
+import pytest
+
+from megatron_r3.layers.transformer_impl import transformer_engine_installed
+from tests.support.launcher import run_workers
+from tests.test_launch import train_worker, write_dump
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not transformer_engine_installed(), reason="needs TransformerEngine (make install on a "
+                       "CUDA machine installs it)"),
+]
+
+# The test suite's small model (tests/test_launch.py) at widths TE's fused kernels take, with no
+# --transformer-impl: the launcher's default on a GPU with TransformerEngine.
+TE_MODEL = [
+    "--num-layers", "4", "--moe-layer-freq", "0,1,0,1", "--hidden-size", "64", "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "64", "--init-method-std", "0.02",
+]
+EMBEDDED = TE_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "8", "--rollouts-per-prompt", "2",
+                       "--task-max-symbols", "4", "--train-iters", "3"]
+
+
+def _model_worker(argv):
+    """The launcher's policy config on this GPU: which layers, which dtype."""
+    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.model_factory import transformer_config
+
+    args = parse_args(argv)
+    config = transformer_config(args, initialize(args))
+    return {"impl": config.transformer_impl, "bf16": config.bf16}
+
+
+def test_the_gpu_default_is_transformer_engine_in_bf16():
+    (result,) = run_workers(_model_worker, 1, EMBEDDED, backend="nccl")
+    assert result == {"impl": "transformer_engine", "bf16": True}
+
+
+@pytest.mark.parametrize("mode", [["--moe-enable-routing-replay"], []], ids=["r3", "live"])
+def test_the_embedded_loop_trains_on_te_layers(mode):
+    """R3 on: every update microbatch replays the engine's routes on the sync-free path; off: none.
+    The comparison pass reports the mismatch both ways; every metric is finite."""
+    ((result),) = run_workers(train_worker, 1, EMBEDDED + mode, backend="nccl", timeout=300)
+    history = result["history"]
+    assert [m["iteration"] for m in history] == [1, 2, 3]
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        assert metrics["mismatch/replay/k3_kl"] >= 0 and metrics["mismatch/live/k3_kl"] >= 0
+        if mode:
+            assert metrics["routing/replayed_tokens"] > 0 and metrics["routing/live_tokens"] == 0
+            assert metrics["routing/host_split_microbatches"] == 1.0
+        else:
+            assert metrics["routing/replayed_tokens"] == 0
+
+
+def test_the_dump_mode_replays_on_te_layers(tmp_path):
+    dump = write_dump(tmp_path / "rollouts.r3")
+    argv = TE_MODEL + ["--vocab-size", "64", "--seq-length", "96", "--micro-batch-size", "2",
+                       "--rollouts-per-prompt", "2", "--rollout-dump", str(dump), "--train-iters", "2",
+                       "--moe-enable-routing-replay"]
+    ((result),) = run_workers(train_worker, 1, argv, backend="nccl", timeout=300)
+    assert [m["iteration"] for m in result["history"]] == [1, 2]
+    assert all(m["routing/replayed_tokens"] > 0 for m in result["history"])
