@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -90,7 +89,7 @@ SPLITS = [[3, 0, 5, 2], [0, 0, 0, 9], [4, 4, 4, 4], [1, 7, 0, 0]]
 
 @pytest.mark.parametrize("flags, fields, dtype", [
     ([], {}, torch.float32),
-    ([], {"gated_linear_unit": True, "activation_func": F.silu}, torch.float32),
+    (["--swiglu"], {}, torch.float32),
     (["--bf16"], {}, torch.bfloat16),
 ], ids=["gelu-fp32", "swiglu-fp32", "gelu-bf16"])
 def test_grouped_forward_equals_the_sequential_one(flags, fields, dtype):
