@@ -300,16 +300,18 @@ def conftests(files, rel):
     return out
 
 
-def resolve_needs(source, test_files, side_packages):
+def resolve_needs(source, test_files, side_packages, side_files=None):
     """Every file the tests need from `source`, beside the sides' own megatron packages.
 
     Follows imports (at any depth of a file, lazy ones too) from the test files and their
     conftest.py files through tests.* modules and through megatron top-level packages that
     the sides lack (`side_packages` holds the ones they have, e.g. {'core', 'training'}),
-    which are copied whole. Returns (files, extra megatron packages, third-party top-level
-    modules, unresolved tests.* modules).
+    which are copied whole. `side_files` ({path: text}: the sides' own megatron/training, say)
+    are scanned for imports too, but not copied. Returns (files, extra megatron packages,
+    third-party top-level modules, unresolved tests.* modules).
     """
     files = source.files()
+    dirs = {f.rsplit("/", 1)[0] for f in files if "/" in f}
     stdlib = set(getattr(sys, "stdlib_module_names", ()))
     needed, queue = [], []
     extra_packages, third_party, unresolved = set(), set(), set()
@@ -323,12 +325,14 @@ def resolve_needs(source, test_files, side_packages):
         add(rel)
         for other in parent_inits(files, rel) + conftests(files, rel):
             add(other)
+    side_files = dict(side_files or {})
+    queue.extend(sorted(side_files))
     while queue:
         rel = queue.pop(0)
         if not rel.endswith(".py"):
             continue
         try:
-            text = source.read(rel).decode()
+            text = side_files[rel] if rel in side_files else source.read(rel).decode()
             mods = imported_modules(text, rel)
         except (SyntaxError, UnicodeDecodeError) as err:
             raise ToolError(f"cannot parse {rel}: {err}") from err
@@ -337,8 +341,10 @@ def resolve_needs(source, test_files, side_packages):
             if top == "tests":
                 target = module_file(files, mod)
                 if target is None:
-                    # `from tests.a import name`: `tests.a.name` is an attribute, not a module.
-                    if module_file(files, mod.rsplit(".", 1)[0]) is None:
+                    # `from tests.a import name`: `tests.a.name` is an attribute, not a module;
+                    # a folder without __init__.py is a namespace package.
+                    parent = mod.rsplit(".", 1)[0]
+                    if mod.replace(".", "/") not in dirs and module_file(files, parent) is None:
                         unresolved.add(mod)
                     continue
                 add(target)
@@ -359,6 +365,8 @@ def resolve_needs(source, test_files, side_packages):
                 for member in members or [f"megatron/{pkg}.py"]:
                     if "__pycache__" not in member:
                         add(member)
+            elif rel in side_files:
+                continue  # the sides' own third-party needs are megatron-core's, not the tests'
             elif top and top not in stdlib and top not in ("__future__",):
                 # A module at the top of the Megatron-LM repository (gpt_builders.py, tools/...)
                 # travels like a tests.* module; anything else is a third-party module.
@@ -366,7 +374,8 @@ def resolve_needs(source, test_files, side_packages):
                 if target is None and module_file(files, top) is not None:
                     target = module_file(files, top)
                 if target is None:
-                    third_party.add(top)
+                    if not rel.startswith("megatron/"):  # the tests' needs, not megatron's
+                        third_party.add(top)
                     continue
                 add(target)
                 for init in parent_inits(files, target):
@@ -485,8 +494,14 @@ def prepare(args):
     with tempfile.TemporaryDirectory(dir=tmp_parent, prefix=".upstream-tests-") as scratch:
         pristine_src, patched_src, side_info = side_trees(args.sdist, args.patched, scratch)
         side_packages = {p.name for p in (pristine_src / "megatron").iterdir() if p.is_dir()}
+        # megatron/training ships in the sdist; what it imports from megatron must travel too.
+        side_files = {
+            p.relative_to(pristine_src).as_posix(): p.read_text()
+            for p in (pristine_src / "megatron").rglob("*.py")
+            if p.relative_to(pristine_src / "megatron").parts[0] != "core"
+        }
         needed, extra_pkgs, third_party, unresolved = resolve_needs(
-            source, test_files, side_packages
+            source, test_files, side_packages, side_files
         )
         if unresolved:
             log(f"warning: imported tests.* modules not found at the source: {unresolved}")
@@ -621,6 +636,7 @@ class Progress:
         self.total = total_hint
         self.started = time.monotonic()
         self.running = {}
+        self.last = None
 
     def poll(self):
         for path in sorted(self.results_dir.glob("rank*.jsonl")):
@@ -647,6 +663,7 @@ class Progress:
         elapsed = time.monotonic() - self.started
         if rec.get("event") == "start":
             self.running[rank] = (rec["nodeid"], time.monotonic())
+            self.last = rec["nodeid"]
         elif rec.get("event") == "end":
             self.running.pop(rank, None)
             outcome = rec["outcome"]
@@ -717,9 +734,13 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
         skip_file = side_out / f"skip-{attempt}.txt"
         done, hung = finished_ids(results)
         skip_file.write_text("".join(f"{t}\n" for t in sorted(done | hung)))
+        if args.launcher == "torchrun":
+            launch = [args.python, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc-per-node", str(args.nproc)]
+        else:  # one process, no torch.distributed launcher (debugging, the tool's own tests)
+            launch = [args.python]
         cmd = [
-            args.python, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(args.nproc),
+            *launch,
             "-m", "pytest", *targets,
             "-p", "no:cacheprovider", "-p", PLUGIN_NAME,
             "-rfE", "--durations=0",
@@ -740,7 +761,7 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
             proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log_file,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             while proc.poll() is None:
-                time.sleep(1.0)
+                time.sleep(0.25)
                 progress.poll()
                 progress.heartbeat()
                 if time.monotonic() > deadline:
@@ -761,8 +782,8 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
             status = f"torchrun exited with {code} before any test ran (see {log_path})"
             log(f"{side}: {status}")
             break
-        log(f"{side}: attempt {attempt} ended with {code} inside "
-            f"{', '.join(sorted(new_hung)) or 'no test'}; going on after it")
+        where = ", ".join(sorted(new_hung)) or progress.last or "no test"
+        log(f"{side}: attempt {attempt} ended with {code} in {where}; going on after it")
         attempt += 1
     (side_out / "status.txt").write_text(status + "\n")
     return status
@@ -847,6 +868,8 @@ def run(args):
                     log(f"warning: {entry} is not in the bundle (prepare with --lists {name})")
     if not targets:
         raise ToolError("no test files to run")
+    if args.launcher == "plain":
+        args.nproc = 1
     if args.nproc is None:
         proc = subprocess.run([args.python, "-c", "import torch; print(torch.cuda.device_count())"],
                               capture_output=True, text=True)
@@ -1193,6 +1216,8 @@ def main(argv=None):
                    help="overall budget of each side, seconds")
     r.add_argument("--sides", nargs="*", default=list(SIDES), choices=SIDES)
     r.add_argument("--python", default=sys.executable)
+    r.add_argument("--launcher", choices=("torchrun", "plain"), default="torchrun",
+                   help="plain: one `python -m pytest` process per side, no torchrun")
     r.add_argument("--force", action="store_true", help="replace an earlier results folder")
     r.add_argument("--no-stubs", action="store_true", dest="no_stubs",
                    help="no stand-ins for missing third-party modules (click, requests, mock, "

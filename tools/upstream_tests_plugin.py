@@ -111,10 +111,25 @@ def pytest_collection_modifyitems(session, config, items):
 
 def _watchdog_fired(nodeid, seconds):
     _emit({"event": "end", "nodeid": nodeid, "outcome": "timeout", "seconds": seconds})
-    sys.__stderr__.write(
+    header = (
         f"\n[r3-upstream] rank {_rank()}: {nodeid} still running after {seconds:.0f} s; "
         "stacks of all threads follow, then this rank exits\n"
     )
+    config = _STATE.get("config")
+    results = config.getoption("--r3-results") if config is not None else None
+    if results:  # the stacks in a file: pytest's output capture may hold stderr
+        attempt = config.getoption("--r3-attempt")
+        path = os.path.join(results, f"timeout-rank{_rank()}-attempt{attempt}.txt")
+        with open(path, "w") as handle:
+            handle.write(header)
+            handle.flush()
+            faulthandler.dump_traceback(file=handle, all_threads=True)
+    try:  # and on the terminal, as pytest-timeout does it
+        capman = config.pluginmanager.getplugin("capturemanager")
+        capman.suspend_global_capture(in_=True)
+    except Exception:
+        pass
+    sys.__stderr__.write(header)
     sys.__stderr__.flush()
     faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
     sys.__stderr__.flush()
