@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 _STATE = {"file": None, "lock": threading.Lock(), "timer": None, "current": None}
 
 
@@ -57,6 +59,7 @@ def _emit(record):
         os.fsync(handle.fileno())
 
 
+@pytest.hookimpl(tryfirst=True)  # before junitxml reads the --junitxml path
 def pytest_configure(config):
     results = config.getoption("--r3-results")
     rank = _rank()
@@ -82,8 +85,6 @@ def pytest_configure(config):
             "core_file": core_file, "version": package_info.__version__, "root": root,
         })
     if not core_file.startswith(root + os.sep):
-        import pytest
-
         pytest.exit(
             f"megatron.core was imported from {core_file}, not from the run root {root}: "
             "another megatron is earlier on sys.path (PYTHONPATH? an editable install?)",
