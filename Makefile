@@ -4,7 +4,7 @@ VPY := .venv/bin/python
 MEGATRON ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-cpu test-gpu bench check-patches patch clean help
+.PHONY: install test test-cpu test-gpu bench check-patches patch clean help upstream-tests
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
@@ -12,6 +12,7 @@ help:
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's; build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM   apply patches/ to your checkout"
+	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
 
 install:
 	@PYTHON=$(PYTHON) bash tools/install.sh
@@ -53,3 +54,14 @@ patch:
 
 clean:
 	rm -rf build .venv megatron_r3/_C*.so *.egg-info
+
+# Megatron-LM's own unit tests (tag core_v0.19.0) on the pristine and on the patched core, side by
+# side: `prepare` builds build/upstream-tests/ here (no GPU); `run` runs both sides under torchrun
+# on a GPU machine (carry build/upstream-tests there). UPSTREAM_ARGS: more arguments for `run`.
+UPSTREAM_ARGS ?=
+upstream-tests:
+	@test -f $(SDIST) || $(PYTHON) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python megatron-core==$(BASE) -d build
+	$(PYTHON) tools/upstream_tests.py prepare --force $(if $(MEGATRON),--megatron "$(MEGATRON)")
+	@if $(PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
+	  $(PYTHON) tools/upstream_tests.py run --force $(UPSTREAM_ARGS); \
+	else echo "no CUDA here: the bundle is ready; on a GPU machine run: tools/upstream_tests.py run (docs/upstream_tests.md)"; fi

@@ -1,0 +1,321 @@
+"""CPU tests of tools/upstream_tests.py: prepare on a synthetic Megatron-LM-like tree, run with
+its pytest plugin (a hang, a crash, the resume after them), and the comparison table on
+crafted junit files."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "upstream_tests.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("upstream_tests", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ut = _load_tool()
+
+
+@pytest.fixture(autouse=True)
+def _no_device_probe(monkeypatch):
+    """`run` asks torch about the device (2 s of import); the tests need not."""
+    monkeypatch.setattr(ut, "_device_line", lambda python: "test machine")
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+PACKAGE_INFO = "MAJOR = 0\nMINOR = 19\nPATCH = 2\n__version__ = '0.19.2'{}\n"
+
+
+def _fake_core(base, label=""):
+    """megatron/core and megatron/training of a fake megatron-core tree at `base`."""
+    _write(base / "megatron" / "core" / "__init__.py",
+           "from megatron.core import package_info\nSIDE = %r\n" % (label or "pristine"))
+    (base / "megatron" / "core" / "package_info.py").write_text(
+        PACKAGE_INFO.format(" + '+r3'" if label == "patched" else ""))
+    _write(base / "megatron" / "training" / "__init__.py", "")
+    _write(base / "megatron" / "training" / "helpers.py", "from megatron.rl import thing\n")
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    """A Megatron-LM-like checkout, a pristine 'sdist' and a patched tree."""
+    repo = tmp_path / "Megatron-LM"
+    _fake_core(repo)
+    _write(repo / "megatron" / "rl" / "__init__.py", "thing = 1\n")
+    _write(repo / "megatron" / "rl" / "more.py", "import megatron.elastic\n")
+    _write(repo / "megatron" / "elastic" / "__init__.py", "")
+    _write(repo / "megatron" / "unused" / "__init__.py", "")
+    _write(repo / "gpt_builders.py", "def load():\n    import yaml_like_dep\n")
+    _write(repo / "pyproject.toml", """\
+        [tool.pytest.ini_options]
+        markers = ["internal: a marker upstream declares"]
+        """)
+    _write(repo / "tests" / "__init__.py", "")
+    _write(repo / "tests" / "unit_tests" / "__init__.py", "")
+    _write(repo / "tests" / "unit_tests" / "conftest.py", "from tests.unit_tests.helpers import X\n")
+    _write(repo / "tests" / "unit_tests" / "helpers.py", "import numpy\nX = 1\n")
+    _write(repo / "tests" / "unit_tests" / "unused_helper.py", "")
+    _write(repo / "tests" / "test_utils" / "python_scripts" / "dl.py", "import click\n")
+    _write(repo / "tests" / "unit_tests" / "moe" / "__init__.py", "")
+    _write(repo / "tests" / "unit_tests" / "moe" / "test_a.py", """\
+        import time
+
+        import pytest
+
+        from megatron.core import SIDE
+        from tests.test_utils.python_scripts import dl
+        from megatron.training.helpers import thing
+
+
+        def test_pass():
+            assert True
+
+
+        def test_side_dependent():
+            assert SIDE == "pristine", "only the pristine side passes"
+
+
+        @pytest.mark.skip(reason="not here")
+        def test_skip():
+            pass
+
+
+        def test_hang():
+            if SIDE == "patched":
+                time.sleep(60)
+
+
+        def test_after_hang():
+            from gpt_builders import __name__ as name  # a lazy import of a repo-top module
+            assert name
+        """)
+    _write(repo / "tests" / "unit_tests" / "other" / "test_b.py", "def test_b():\n    pass\n")
+    sdist_src = tmp_path / "sdist" / "megatron_core-0.19.2"
+    _fake_core(sdist_src)
+    sdist = tmp_path / "fake-megatron-core.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(sdist_src, arcname="megatron_core-0.19.2")
+    patched = tmp_path / "patched-tree"
+    _fake_core(patched, "patched")
+    return repo, sdist, patched
+
+
+def _prepare(upstream, out, *extra):
+    repo, sdist, patched = upstream
+    return ut.main(["prepare", "--megatron", str(repo), "--sdist", str(sdist), "--patched",
+                    str(patched), "--out", str(out), "--files", "tests/unit_tests/moe/", *extra])
+
+
+def test_prepare_copies_what_the_tests_import_and_each_sides_core(upstream, tmp_path):
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["test_files"] == ["tests/unit_tests/moe/test_a.py"]
+    support = set(manifest["support_files"])
+    # conftest, the tests.* modules it and the tests import, package __init__ files
+    assert {"tests/unit_tests/conftest.py", "tests/unit_tests/helpers.py", "tests/__init__.py",
+            "tests/test_utils/python_scripts/dl.py", "gpt_builders.py"} <= support
+    assert "tests/unit_tests/unused_helper.py" not in support
+    # megatron packages the sdist lacks, found through the training package and through them
+    assert manifest["extra_megatron_packages"] == ["elastic", "rl"]
+    assert manifest["third_party_modules"] == ["click", "numpy", "pytest", "yaml_like_dep"]
+    for side in ("pristine", "patched"):
+        root = out / side
+        assert (root / "megatron" / "rl" / "more.py").is_file()
+        assert not (root / "megatron" / "unused").exists()
+        assert (root / "tests" / "unit_tests" / "moe" / "test_a.py").is_file()
+        assert not (root / "tests" / "unit_tests" / "other").exists()
+        assert (root / "r3_upstream_plugin.py").is_file()
+        assert "internal: a marker upstream declares" in (root / "pytest.ini").read_text()
+    assert "SIDE = 'patched'" in (out / "patched" / "megatron" / "core" / "__init__.py").read_text()
+    assert "SIDE = 'pristine'" in (out / "pristine" / "megatron" / "core" / "__init__.py").read_text()
+    assert manifest["sides"]["patched"]["version"] == "0.19.2+r3"
+    assert manifest["sides"]["pristine"]["version"] == "0.19.2"
+    # an existing bundle is replaced only with --force
+    assert _prepare(upstream, out) == 2
+    assert _prepare(upstream, out, "--force") == 0
+
+
+def test_prepare_refuses_a_tree_without_the_series_and_a_too_large_bundle(upstream, tmp_path):
+    repo, sdist, _ = upstream
+    not_patched = tmp_path / "not-patched"
+    _fake_core(not_patched)
+    code = ut.main(["prepare", "--megatron", str(repo), "--sdist", str(sdist), "--patched",
+                    str(not_patched), "--out", str(tmp_path / "b1"), "--files", "tests/unit_tests"])
+    assert code == 2 and not (tmp_path / "b1").exists()
+    assert _prepare(upstream, tmp_path / "b2", "--max-mb", "0.001") == 2
+    assert not (tmp_path / "b2").exists()
+
+
+def test_prepare_takes_tests_from_a_git_history_at_a_tag(upstream, tmp_path):
+    repo, sdist, patched = upstream
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=repo, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=repo, check=True)
+    subprocess.run(git + ["tag", "core_v0.19.0"], cwd=repo, check=True)
+    (repo / "tests" / "unit_tests" / "moe" / "test_a.py").write_text("changed after the tag\n")
+    out = tmp_path / "bundle"
+    code = ut.main(["prepare", "--megatron", str(repo / ".git"), "--tag", "core_v0.19.0",
+                    "--sdist", str(sdist), "--patched", str(patched), "--out", str(out),
+                    "--files", "tests/unit_tests/moe/"])
+    assert code == 0
+    text = (out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py").read_text()
+    assert "def test_hang" in text
+    assert "core_v0.19.0" in json.loads((out / "manifest.json").read_text())["source"]
+
+
+def test_prepare_says_where_to_put_a_checkout(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(ut, "CHECKOUT_CANDIDATES", (tmp_path / "nothing-here",))
+    assert ut.main(["prepare", "--sdist", str(tmp_path / "x.tar.gz"), "--out",
+                    str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "no Megatron-LM checkout found" in err and str(tmp_path / "nothing-here") in err
+
+
+def test_run_names_a_hung_test_goes_on_after_it_and_compares(upstream, tmp_path):
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out) == 0
+    results = tmp_path / "results"
+    export = tmp_path / "export"
+    code = ut.main(["run", "--bundle", str(out), "--out", str(results), "--launcher", "plain",
+                    "--tests", "tests/unit_tests/moe/", "--timeout", "1", "--grace", "1",
+                    "--side-timeout", "60", "--export", str(export)])
+    assert code == 1  # the sides differ
+    table = json.loads((results / "comparison.json").read_text())
+    rows = {r["id"].split("::")[-1]: r for r in table["rows"]}
+    assert (rows["test_pass"]["pristine"], rows["test_pass"]["patched"]) == ("passed", "passed")
+    assert rows["test_side_dependent"]["patched"] == "failed"
+    assert "only the pristine side passes" in rows["test_side_dependent"]["patched_message"]
+    assert rows["test_skip"]["pristine"] == rows["test_skip"]["patched"] == "skipped"
+    assert rows["test_hang"]["pristine"] == "passed"
+    # the pure-Python sleep is interrupted by pytest-timeout where it is installed; the
+    # watchdog ends the rank otherwise: either way the hang has the test's name
+    assert rows["test_hang"]["patched"] in ("failed", "timeout")
+    # the test after the hang still ran on the patched side
+    assert rows["test_after_hang"]["patched"] == "passed"
+    # differences first, regressions (pristine passed) on top
+    order = [r["id"].split("::")[-1] for r in table["rows"]]
+    assert set(order[:2]) == {"test_side_dependent", "test_hang"}
+    md = (results / "comparison.md").read_text()
+    assert "2 tests differ." in md and "| test | pristine | patched |" in md
+    # junit per rank and attempt, the rank filled in by the plugin
+    assert (results / "patched" / "junit-attempt1-rank0.xml").is_file()
+    assert (results / "pristine" / "junit-attempt0-rank0.xml").is_file()
+    assert sorted(p.name for p in export.iterdir()) == [
+        "comparison.json", "comparison.md", "upstream-tests-results.tar.gz"]
+    assert table["meta"]["stubbed_modules"] == ["click"] or "click" not in table["meta"][
+        "missing_modules"]
+
+
+def test_watchdog_ends_a_rank_stuck_outside_python_and_resume_skips_it(upstream, tmp_path):
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out) == 0
+    test_file = out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py"
+    # a hang pytest-timeout's signal cannot interrupt: blocked in C with signals ignored
+    test_file.write_text(test_file.read_text().replace(
+        "time.sleep(60)",
+        "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM]); "
+        "time.sleep(60)"))
+    results = tmp_path / "results"
+    code = ut.main(["run", "--bundle", str(out), "--out", str(results), "--launcher", "plain",
+                    "--sides", "patched", "--tests", "tests/unit_tests/moe/", "--timeout", "1",
+                    "--grace", "1", "--side-timeout", "60"])
+    assert code == 1
+    side = ut.load_side(results / "patched")
+    by_name = {v["id"].split("::")[-1]: v["outcome"] for v in side.values()}
+    assert by_name["test_hang"] == "timeout"
+    assert by_name["test_after_hang"] == "passed"
+    assert by_name["test_pass"] == "passed"
+    assert (results / "patched" / "attempt1.log").is_file()
+    assert "still running after" in (results / "patched" / "attempt0.log").read_text()
+    stacks = (results / "patched" / "results" / "timeout-rank0-attempt0.txt").read_text()
+    assert "test_hang still running after 2 s" in stacks and "test_a.py" in stacks
+
+
+def _junit(path, cases):
+    items = []
+    for classname, name, seconds, kind in cases:
+        body = {"passed": "", "failed": '<failure message="boom">x</failure>',
+                "error": '<error message="setup broke">x</error>',
+                "skipped": '<skipped type="pytest.skip" message="no TE">x</skipped>',
+                "xfailed": '<skipped type="pytest.xfail" message="known">x</skipped>'}[kind]
+        items.append(f'<testcase classname="{classname}" name="{name}" time="{seconds}">'
+                     f'{body}</testcase>')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+                    + "".join(items) + "</testsuite></testsuites>")
+
+
+def test_compare_on_crafted_junit_files(tmp_path):
+    mod = "tests.unit_tests.moe.test_x"
+    _junit(tmp_path / "pristine" / "junit-attempt0-rank0.xml", [
+        (mod, "test_ok", 1.0, "passed"), (mod + ".TestR", "test_reg[a]", 2.0, "passed"),
+        (mod, "test_fixed", 0.5, "failed"), (mod, "test_te", 0.0, "skipped"),
+        (mod, "test_gone", 0.1, "passed")])
+    _junit(tmp_path / "pristine" / "junit-attempt0-rank1.xml", [
+        (mod, "test_ok", 1.5, "passed"), (mod + ".TestR", "test_reg[a]", 2.0, "passed"),
+        (mod, "test_fixed", 0.5, "failed"), (mod, "test_te", 0.0, "skipped"),
+        (mod, "test_gone", 0.1, "passed")])
+    _junit(tmp_path / "patched" / "junit-attempt0-rank0.xml", [
+        (mod, "test_ok", 3.0, "passed"), (mod + ".TestR", "test_reg[a]", 2.0, "passed"),
+        (mod, "test_fixed", 0.4, "passed"), (mod, "test_te", 0.0, "skipped"),
+        (mod, "test_new", 0.1, "xfailed")])
+    # one rank failing is enough: the test failed
+    _junit(tmp_path / "patched" / "junit-attempt0-rank1.xml", [
+        (mod, "test_ok", 3.0, "passed"), (mod + ".TestR", "test_reg[a]", 2.5, "failed"),
+        (mod, "test_fixed", 0.4, "passed"), (mod, "test_te", 0.0, "skipped")])
+    assert ut.main(["compare", str(tmp_path)]) == 1
+    table = json.loads((tmp_path / "comparison.json").read_text())
+    rows = [(r["id"], r["pristine"], r["patched"], r["pristine_s"], r["patched_s"])
+            for r in table["rows"]]
+    assert rows[0] == (mod + ".TestR::test_reg[a]", "passed", "failed", 2.0, 2.5)
+    assert rows[1] == (mod + "::test_gone", "passed", "absent", 0.1, None)
+    assert {r[0] for r in rows[2:4]} == {mod + "::test_fixed", mod + "::test_new"}
+    assert rows[4:] == [(mod + "::test_ok", "passed", "passed", 1.5, 3.0),
+                        (mod + "::test_te", "skipped", "skipped", 0.0, 0.0)]
+    assert table["counts"]["pristine"] == {"failed": 1, "passed": 3, "skipped": 1}
+    assert table["counts"]["patched"] == {"failed": 1, "passed": 2, "xfailed": 1, "skipped": 1}
+    assert table["rows"][0]["patched_message"] == "boom"
+    md = (tmp_path / "comparison.md").read_text()
+    assert "4 tests differ." in md
+    assert f"| `{mod}.TestR::test_reg[a]` | **passed** | **failed** | 2.00 | 2.50 |" in md
+
+
+def test_nodeid_and_junit_keys_agree():
+    assert ut.nodeid_key("tests/unit_tests/moe/test_x.py::TestR::test_reg[a-b]") == \
+        "tests.unit_tests.moe.test_x.TestR::test_reg[a-b]"
+    assert ut.nodeid_key("tests/unit_tests/test_y.py::test_f") == "tests.unit_tests.test_y::test_f"
+
+
+def test_a_rank_killed_mid_test_reads_as_crashed(tmp_path):
+    results = tmp_path / "side" / "results"
+    results.mkdir(parents=True)
+    nid = "tests/unit_tests/moe/test_x.py::test_"
+    lines = [
+        {"event": "session", "attempt": 0},
+        {"event": "start", "nodeid": nid + "a"}, {"event": "end", "nodeid": nid + "a",
+                                                  "outcome": "passed", "seconds": 1.0},
+        {"event": "start", "nodeid": nid + "b"},
+        {"event": "session", "attempt": 1},
+        {"event": "start", "nodeid": nid + "c"},
+    ]
+    (results / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"ev')
+    (results / "collected-0.json").write_text(json.dumps([nid + x for x in "abcd"]))
+    side = ut.load_side(tmp_path / "side")
+    outcome = {v["id"][-1]: v["outcome"] for v in side.values()}
+    assert outcome == {"a": "passed", "b": "crashed", "c": "crashed", "d": "not run"}
