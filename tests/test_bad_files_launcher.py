@@ -10,6 +10,7 @@ a small tmpfs mounted by the test (skipped, with the reason, where mounting is n
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -239,11 +240,10 @@ def small_disk(tmp_path):
 
 def _fill(folder):
     """Writes one file into ``folder`` until its filesystem is full."""
-    with open(folder / "filler", "wb") as f:
+    with open(folder / "filler", "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
-                f.flush()
         except OSError:
             pass
 
@@ -265,17 +265,19 @@ def test_a_full_disk_stops_before_training_or_at_the_save_with_nothing_partial_l
     cases = [
         (base + ["--save", str(too_small / "ckpt")], str(too_small), None),
         (base + ["--save", str(one_and_a_half / "ckpt")], str(one_and_a_half), None),
-        (base + ["--metrics-file", str(full / "metrics.jsonl")], str(work), None),
+        (DUMP_FLAGS + ["--rollout-dump", dump, "--train-iters", "1", "--metrics-file", str(full / "metrics.jsonl")],
+         str(work), None),
     ]
     (refused, midway, metrics), = run_cases(tmp_path, 1, cases)
     assert_refused(refused, f"--save {too_small / 'ckpt'}: one checkpoint needs about ", " bytes: weights, optimizer "
                             f"state and the rollout engine's weights), the filesystem of {too_small} has ")
     assert os.listdir(too_small) == []
     assert midway["code"] == 1 and midway["before"] == {}
-    assert error_line(midway).startswith(
-        f"pretrain_gpt_r3.py: error: --save: saving iteration 2 into {one_and_a_half / 'ckpt' / 'iter_0000002.saving'}"
-        f" failed: ")
-    assert "No space left on device" in error_line(midway) and error_line(midway).endswith(
+    match = re.match(rf"pretrain_gpt_r3.py: error: --save: saving iteration 2 into "
+                    rf"{one_and_a_half / 'ckpt' / 'iter_0000002.saving'} failed \((\d+) bytes were free on its "
+                     rf"filesystem\): ", error_line(midway))
+    assert match and int(match.group(1)) < 64 * 1024, error_line(midway)  # the disk filled up
+    assert error_line(midway).endswith(
         f"the partial folder was removed, {one_and_a_half / 'ckpt' / 'latest_checkpointed_iteration.txt'} still "
         f"names iteration 1")
     assert sorted(os.listdir(one_and_a_half / "ckpt")) == ["iter_0000001", "latest_checkpointed_iteration.txt"]

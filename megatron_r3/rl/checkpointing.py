@@ -145,11 +145,15 @@ def save_checkpoint(
             failure = _attempt(lambda: publish(directory, iteration))
     failure = _first_on_any_rank(failure)
     if failure is not None:
+        # The writer passes on a full disk's OSError as a bare RuntimeError (torch.save's "unexpected pos"):
+        # the free space, measured before the partial folder goes, tells.
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else None
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a partial checkpoint is of no use to anyone
         dist.barrier()
-        raise CheckpointSaveError(f"saving iteration {iteration} into {staging} failed: {failure}; the partial "
-                                  f"folder was removed, {_latest_text(directory)}")
+        on_disk = "" if free is None else f" ({free} bytes were free on its filesystem)"
+        raise CheckpointSaveError(f"saving iteration {iteration} into {staging} failed{on_disk}: {failure}; the "
+                                  f"partial folder was removed, {_latest_text(directory)}")
     return iteration_dir(directory, iteration)
 
 
