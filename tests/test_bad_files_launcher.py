@@ -314,3 +314,37 @@ def test_the_size_of_a_checkpoint_is_known_before_it_is_written(tmp_path, ranks,
     assert saved[0]["code"] == 0, saved[0]["err"]
     written = _size(tmp_path / "ckpt" / "iter_0000001")
     assert written <= estimate <= 1.5 * written, (written, estimate)
+
+
+# The same sample twice, and groups of one sample: warned of, and trained.
+
+def test_repeated_samples_and_groups_of_one_are_warned_of(tmp_path):
+    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+    from tests.test_launch import EXPERTS, TOPK
+
+    work = tmp_path / "work"
+    work.mkdir()
+    good = write_dump(work / "good.r3dump")
+    repeated = str(work / "repeated.r3dump")
+    with RolloutDumpReader(good) as reader, RolloutDumpWriter(repeated, num_experts=EXPERTS, topk=TOPK,
+                                                               layer_numbers=(2, 4)) as writer:
+        samples = list(reader)
+        for sample in samples[:4] + [samples[1], samples[2]]:
+            writer.write(sample)
+    one = DUMP_FLAGS + ["--train-iters", "1"]
+    cases = [
+        (one + ["--rollout-dump", repeated], str(work), None),
+        (one + ["--rollout-dump", good, "--rollouts-per-prompt", "1"], str(work), None),
+        (EMBEDDED_FLAGS + ["--rollouts-per-prompt", "1"], str(work), None),
+        (one + ["--rollout-dump", good], str(work), None),
+    ]
+    (twice, dump_groups, embedded_groups, clean), = run_cases(tmp_path, 1, cases)
+    assert all(result["code"] == 0 for result in (twice, dump_groups, embedded_groups, clean))
+    assert (f"warning: rollout dump {repeated}: 2 records repeat an earlier one (the same tokens, log-probs, routes "
+            f"and metadata): record 4 = record 1, record 5 = record 2; each trains as often as it appears"
+            in twice["out"])
+    for result in (dump_groups, embedded_groups):
+        assert ("warning: --rollouts-per-prompt 1: each group holds one sample, so every group-normalised advantage "
+                "is 0") in result["out"]
+    assert "warning" not in clean["out"] and "warning: --rollouts" not in twice["out"]

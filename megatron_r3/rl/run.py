@@ -41,7 +41,7 @@ from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, Pol
 from megatron_r3.rl.profiling import IterationProfiler
 from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
-from megatron_r3.rl.run_checks import metrics_file_mode, raise_on_any_rank
+from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.tasks import EOS
 from megatron_r3.rl.train_metrics import iteration_metrics, progress_line
 from megatron_r3.rl.training_stack import build_training_stack
@@ -286,6 +286,10 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     run = setup(args, device, rank_log)
     rank_log(f" time to build the policy, its training stack and the rollout source (seconds): "
              f"{time.perf_counter() - started:.1f}")
+    warning = degenerate_groups_warning(args.rollouts_per_prompt,
+                                        normalised=run.source.loss_field == "reward")
+    if warning is not None:
+        rank_log(f" {warning}")
     try:
         resume(run, checkpoint, rank_log)
         check_save_space(run)

@@ -510,3 +510,31 @@ def test_a_damaged_footer_is_named():
     with pytest.raises(RolloutDumpError, match=r"corrupt footer: its stats are not the JSON object expected "
                                                r"\(KeyError: 'max_num_tokens'\)"):
         RolloutDumpReader(io.BytesIO(bytes(data))).index
+
+
+# The same sample twice: warned of, with the count and the first ids.
+
+def test_repeated_requests_in_jsonl_are_warned_of_with_their_lines(tmp_path, capsys):
+    first, other = vllm_line(), vllm_line(1)
+    other["request_id"] = "other"
+    status, _, _ = convert(tmp_path, "vllm", [first, other, first, first])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert ("dump_vllm_rollouts: warning: " + str(tmp_path / "in.jsonl") + ": 4 samples repeat the request id and "
+            "completion index of an earlier one: request \"q\" completion 0 (lines 1 and 3), request \"q\" completion "
+            "1 (lines 1 and 3), request \"q\" completion 0 (lines 1 and 4), ...; each is in the dump as often as it "
+            "appears") in captured.err
+    status, _, _ = convert(tmp_path, "vllm", [first, other], None, "--overwrite")
+    assert status == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_repeated_records_of_a_dump_are_found_by_their_content():
+    from megatron_r3.dataplane.dump_checks import repeated_records
+
+    samples = [_sample(seed=0), _sample(seed=1), _sample(seed=0), _sample(seed=1, meta={"reward": 0.25}),
+               _sample(seed=1)]
+    reader = RolloutDumpReader(io.BytesIO(_dump_bytes(samples)))
+    digests = []
+    check_records(reader, 0, 3, digests=digests)
+    check_records(reader, 3, 5, digests=digests)  # another rank's share
+    assert repeated_records(digests[::-1]) == [(2, 0), (4, 1)]  # a different reward is another sample
