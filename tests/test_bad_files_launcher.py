@@ -194,8 +194,8 @@ def test_metrics_lines_stay_exactly_once_per_iteration(tmp_path):
     assert _rows(metrics["resumed.jsonl"]) == [1, 2]  # iteration 2 and the cut 3 dropped, 2 written again
     assert other_run["code"] == 0 and _rows(metrics["other-run-then-resumed.jsonl"]) == [3, 1, 2]
     assert overwritten["code"] == 0 and _rows(metrics["overwritten.jsonl"]) == [2]
-    assert (f"warning: --overwrite-metrics-file with --load: the 2 lines of --metrics-file {metrics['overwritten.jsonl']}"
-            f" are dropped") in overwritten["out"]
+    assert (f"warning: --overwrite-metrics-file with --load: the 2 lines of --metrics-file "
+            f"{metrics['overwritten.jsonl']} are dropped") in overwritten["out"]
     assert_refused(folder, f"--metrics-file {metrics['a-folder.jsonl']} is a folder")
     assert "--append-metrics-file" not in error_line(folder)
 
@@ -269,8 +269,8 @@ def test_a_full_disk_stops_before_training_or_at_the_save_with_nothing_partial_l
          str(work), None),
     ]
     (refused, midway, metrics), = run_cases(tmp_path, 1, cases)
-    assert_refused(refused, f"--save {too_small / 'ckpt'}: one checkpoint needs about ", " bytes: weights, optimizer "
-                            f"state and the rollout engine's weights), the filesystem of {too_small} has ")
+    assert_refused(refused, f"--save {too_small / 'ckpt'}: one checkpoint needs about ", " bytes: the models' weights and "
+                            f"the optimizer's state), the filesystem of {too_small} has ")
     assert os.listdir(too_small) == []
     assert midway["code"] == 1 and midway["before"] == {}
     match = re.match(rf"pretrain_gpt_r3.py: error: --save: saving iteration 2 into "

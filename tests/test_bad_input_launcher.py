@@ -87,6 +87,7 @@ FLAG_CASES = [
     (["--load-optional"], "--load-optional needs --load"),
     (["--overwrite-metrics-file"], "--overwrite-metrics-file needs --metrics-file"),
     (["--allow-truncated-rollout-dump"], "--allow-truncated-rollout-dump needs --rollout-dump"),
+    (["--drop-cut-metrics-line"], "--drop-cut-metrics-line needs --metrics-file"),
     (["--metrics-file", "m.jsonl", "--append-metrics-file", "--overwrite-metrics-file"],
      "argument --overwrite-metrics-file: not allowed with argument --append-metrics-file"),
     (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0.0, got -1.0"),

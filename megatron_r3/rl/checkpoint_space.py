@@ -62,8 +62,8 @@ def space_problem(directory: str, needed: int) -> Optional[str]:
     free = shutil.disk_usage(target).free
     if free >= needed:
         return None
-    return (f"one checkpoint needs about {_size(needed)} ({needed} bytes: weights, optimizer state and the rollout "
-            f"engine's weights), the filesystem of {target} has {_size(free)} ({free} bytes) free")
+    return (f"one checkpoint needs about {_size(needed)} ({needed} bytes: the models' weights and the optimizer's "
+            f"state), the filesystem of {target} has {_size(free)} ({free} bytes) free")
 
 
 def _optimizer_tensors_per_parameter(optimizer: MegatronOptimizer) -> int:
