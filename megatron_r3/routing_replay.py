@@ -60,6 +60,13 @@ def moe_routing_for_chunk(
 ) -> MoERouting:
     """A MoERouting for one microbatch on ``model_chunk``.
 
+    The arguments are checked against each other and the model before anything runs, each
+    message naming the argument: ``expert_ids`` an int64 tensor ``[layers, tokens, topk]`` on the
+    model's device with the model's top-k, one row per entry of ``layer_numbers`` (distinct
+    layer numbers), ``host_tokens_per_expert`` one count per layer, and under
+    ``every_token_routed`` no row of -1 (checked where it costs no device sync: routes on the
+    CPU, or with the config's ``moe_routing_replay_check_values``).
+
     Args:
         model_chunk: the (possibly wrapped) GPTModel chunk the forward step runs.
         expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` routes, or None
@@ -77,13 +84,17 @@ def moe_routing_for_chunk(
             (``live_expert_ids()``, for agreement metrics; costs a live top-k per layer).
     """
     moe_layers = chunk_moe_layers(model_chunk)
-    if expert_ids is not None and layer_numbers is not None:
-        layer_numbers = [int(n) for n in layer_numbers]
+    if expert_ids is not None:
+        layer_numbers = _check_replay_arguments(
+            _gpt_model(model_chunk), moe_layers, expert_ids, layer_numbers, every_token_routed,
+            host_tokens_per_expert,
+        )
         if layer_numbers != moe_layers:
             missing = sorted(set(moe_layers) - set(layer_numbers))
             if missing:
                 raise ValueError(
-                    f"routes cover MoE layers {layer_numbers}; this chunk also needs {missing}"
+                    f"layer_numbers {layer_numbers} lacks MoE layers {missing} of this chunk (it "
+                    f"builds {moe_layers})"
                 )
             rows = [layer_numbers.index(n) for n in moe_layers]
             expert_ids = expert_ids.index_select(
@@ -99,6 +110,60 @@ def moe_routing_for_chunk(
         record=record,
         keep_live_routes=keep_live_routes,
     )
+
+
+def _check_replay_arguments(
+    model, moe_layers, expert_ids, layer_numbers, every_token_routed, host_tokens_per_expert
+) -> list:
+    """``layer_numbers`` as a list (default: the chunk's MoE layers); raises ValueError naming the argument."""
+    if not isinstance(expert_ids, torch.Tensor):
+        raise ValueError(f"expert_ids must be a torch.Tensor, got {type(expert_ids).__name__}")
+    if expert_ids.dtype != torch.int64:
+        raise ValueError(
+            f"expert_ids must be int64 (the routers gather with it), got {expert_ids.dtype}: "
+            "pass expert_ids.long()"
+        )
+    if expert_ids.dim() != 3:
+        raise ValueError(
+            f"expert_ids must be [layers, tokens, topk], got shape {tuple(expert_ids.shape)}"
+        )
+    device = next(model.parameters()).device
+    if expert_ids.device != device:
+        raise ValueError(f"expert_ids is on {expert_ids.device}, the model on {device}")
+    topk = model.config.moe_router_topk
+    if expert_ids.shape[2] != topk:
+        raise ValueError(
+            f"expert_ids holds {expert_ids.shape[2]} experts per token (dim 2), the model's "
+            f"moe_router_topk is {topk}"
+        )
+    given = layer_numbers is not None
+    layer_numbers = [int(n) for n in layer_numbers] if given else list(moe_layers)
+    name = "layer_numbers" if given else "the chunk's MoE layers (layer_numbers not given)"
+    if len(set(layer_numbers)) != len(layer_numbers):
+        raise ValueError(f"layer_numbers {layer_numbers} names a layer twice")
+    if len(layer_numbers) != expert_ids.shape[0]:
+        raise ValueError(
+            f"{name} has {len(layer_numbers)} layers {layer_numbers}, expert_ids "
+            f"{expert_ids.shape[0]} rows (dim 0): one row per layer"
+        )
+    if host_tokens_per_expert is not None and (
+        host_tokens_per_expert.dim() != 3 or host_tokens_per_expert.shape[1] != len(layer_numbers)
+    ):
+        raise ValueError(
+            f"host_tokens_per_expert must be [tp_ep_size, {len(layer_numbers)} layers, num_experts], "
+            f"got shape {tuple(host_tokens_per_expert.shape)}"
+        )
+    if every_token_routed and (
+        expert_ids.device.type == "cpu" or model.config.moe_routing_replay_check_values
+    ):
+        no_route = (expert_ids == NO_ROUTE).all(dim=-1)
+        if bool(no_route.any()):  # free on the CPU; one sync on a device, asked for by the config
+            row, token = (int(i) for i in no_route.nonzero()[0])
+            raise ValueError(
+                f"every_token_routed=True, but expert_ids has no route (a row of -1) for token "
+                f"{token} at layer {layer_numbers[row]}: pass every_token_routed=False"
+            )
+    return layer_numbers
 
 
 def add_routing_replay_args(

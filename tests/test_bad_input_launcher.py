@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -86,6 +87,7 @@ FLAG_CASES = [
     (["--load-optional"], "--load-optional needs --load"),
     (["--overwrite-metrics-file"], "--overwrite-metrics-file needs --metrics-file"),
     (["--allow-truncated-rollout-dump"], "--allow-truncated-rollout-dump needs --rollout-dump"),
+    (["--drop-cut-metrics-line"], "--drop-cut-metrics-line needs --metrics-file"),
     (["--metrics-file", "m.jsonl", "--append-metrics-file", "--overwrite-metrics-file"],
      "argument --overwrite-metrics-file: not allowed with argument --append-metrics-file"),
     (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0.0, got -1.0"),
@@ -124,8 +126,10 @@ def test_every_flag_problem_gets_its_own_line(capsys):
 def _main_cases(cases, store_dir):
     """Runs ``launch.pretrain_gpt_r3.main`` once per case ``(argv, folder, hook)`` in this worker.
 
-    ``hook`` (a name in HOOKS, or None) changes the run before it trains. Returns per case the
-    exit status, stderr, stdout, checksums of ``folder`` before and after, and what the hook saw.
+    ``hook`` (a name in HOOKS, a module-level function of the same form, or None) changes the run
+    before it trains; it may leave callables under ``seen["undo"]`` that undo what else it changed.
+    Returns per case the exit status, stderr, stdout, checksums of ``folder`` before and after, and
+    what the hook saw.
     """
     from launch import pretrain_gpt_r3 as launcher
     from megatron_r3.rl import run as rl_run
@@ -137,7 +141,8 @@ def _main_cases(cases, store_dir):
             dist.init_process_group("gloo", init_method=f"file://{store_dir}/case-{number}",
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         seen = {}
-        rl_run.setup = original_setup if hook is None else HOOKS[hook](original_setup, seen)
+        make = HOOKS.get(hook) if isinstance(hook, str) else hook
+        rl_run.setup = original_setup if make is None else make(original_setup, seen)
         dist.barrier()
         before = snapshot(folder)
         dist.barrier()
@@ -150,6 +155,8 @@ def _main_cases(cases, store_dir):
                 code = exit_info.code
         if dist.is_initialized():
             dist.barrier()
+        for undo in seen.pop("undo", []):
+            undo()
         results.append({"code": code, "err": err.getvalue(), "out": out.getvalue(), "before": before,
                         "after": snapshot(folder), "seen": _finish_hook(seen)})
     rl_run.setup = original_setup
@@ -182,8 +189,7 @@ HOOKS = {"poison": _poison_final_norm}
 
 
 def run_cases(tmp_path, ranks, cases):
-    store_dir = tmp_path / "stores"
-    store_dir.mkdir()
+    store_dir = tempfile.mkdtemp(prefix="stores-", dir=tmp_path)  # one per call: a test may run several
     return run_workers(_main_cases, ranks, cases, str(store_dir), backend="gloo", timeout=300)
 
 
@@ -523,7 +529,7 @@ def test_metrics_file_mode(exists, resumed, append, overwrite, earlier_attempt, 
 
 
 def test_metrics_file_modes_keep_what_they_must(tmp_path):
-    from megatron_r3.rl.train_metrics import MetricsFile
+    from megatron_r3.rl.metrics_file import MetricsFile
 
     path = tmp_path / "m.jsonl"
     lines = "".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3))

@@ -182,7 +182,8 @@ def dump_jsonl(
         overwrite: Replace an existing ``out_path`` (refused by default).
 
     Returns:
-        ``{"requests", "samples", "tokens", "routed_tokens"}``.
+        ``{"requests", "samples", "tokens", "routed_tokens", "repeated"}`` (``repeated``: samples whose
+        request id and completion index an earlier one had; a warning names the first).
 
     Raises:
         InputLineError: a line that cannot be read or does not fit the model, naming
@@ -192,6 +193,8 @@ def dump_jsonl(
     """
     read_line = LINE_READERS[engine]
     counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0}
+    first_line: dict = {}  # (request id, completion index) -> the line that gave it
+    repeats: list = []
     with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
         with RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
                                layer_numbers=spec.model_moe_layers) as writer:
@@ -208,6 +211,10 @@ def dump_jsonl(
                     ) from error
                 counts["requests"] += 1
                 for sample in samples:
+                    key = (json.dumps(sample.meta["request_id"]), sample.meta["completion_index"])
+                    if key in first_line:
+                        repeats.append((key, first_line[key], number))
+                    first_line.setdefault(key, number)
                     counts["samples"] += 1
                     counts["tokens"] += len(sample.token_ids)
                     counts["routed_tokens"] += int(sample.routes.valid.sum())
@@ -215,6 +222,13 @@ def dump_jsonl(
                         print(f"dump_vllm_rollouts: {_summary(counts)}", file=log, flush=True)
             if counts["samples"] == 0:
                 raise InputLineError(f"{input_path} holds no request: a dump without samples trains nothing")
+    if repeats:
+        shown = ", ".join(f"request {rid} completion {index} (lines {was} and {now})"
+                          for (rid, index), was, now in repeats[:3])
+        print(f"dump_vllm_rollouts: warning: {input_path}: {len(repeats)} samples repeat the request id and "
+              f"completion index of an earlier one: {shown}{', ...' if len(repeats) > 3 else ''}; each is in the "
+              f"dump as often as it appears", file=log, flush=True)
+    counts["repeated"] = len(repeats)
     return counts
 
 
@@ -347,7 +361,7 @@ def main(argv=None) -> int:
         parser.error(str(error))
     try:
         counts = dump_jsonl(args.input, args.out, args.engine, spec, vocab_size=args.vocab_size,
-                            overwrite=args.overwrite, log_interval=args.log_interval)
+                            overwrite=args.overwrite, log_interval=args.log_interval, log=sys.stderr)
     except (ValueError, OSError) as error:  # InputLineError, OutputFileError, an unreadable input
         print(f"dump_vllm_rollouts: error: {error}", file=sys.stderr)
         return 1

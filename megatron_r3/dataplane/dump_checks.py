@@ -7,6 +7,8 @@ the model's settings without reading a sample (when the dump has its footer).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -14,10 +16,35 @@ import numpy as np
 from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.rollout_dump import RolloutDumpError, RolloutDumpStats
 from megatron_r3.dataplane.sample_checks import LOSS_FIELDS
+from megatron_r3.dataplane.samples import RolloutSample
+
+
+def sample_digest(sample: RolloutSample) -> bytes:
+    """A 16-byte digest of everything a sample holds: equal samples, and only they (barring collisions), share it."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(json.dumps(sample.meta, sort_keys=True).encode())
+    for array in (sample.token_ids, sample.loss_mask, sample.logprobs,
+                  None if sample.routes is None else sample.routes.ids,
+                  None if sample.routes is None else sample.routes.valid):
+        digest.update(b"-" if array is None else np.ascontiguousarray(array).tobytes())
+    return digest.digest()
+
+
+def repeated_records(digests: Sequence[tuple[int, bytes]]) -> list[tuple[int, int]]:
+    """``(record, the earlier record it repeats)`` for every record whose digest an earlier one has, in order."""
+    first: dict[bytes, int] = {}
+    repeats = []
+    for record, digest in sorted(digests):
+        if digest in first:
+            repeats.append((record, first[digest]))
+        else:
+            first[digest] = record
+    return repeats
 
 
 def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int] = None, *,
-                  require_loss_field: bool = False) -> dict[str, Optional[int]]:
+                  require_loss_field: bool = False,
+                  digests: Optional[list[tuple[int, bytes]]] = None) -> dict[str, Optional[int]]:
     """Reads records ``[first, stop)`` front to back, one in memory at a time, and checks each as training would.
 
     Every record's CRC, routes and values (log-probs finite and ``<= 0``, ``reward``
@@ -28,6 +55,8 @@ def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int]
         first, stop: The records to read (default: all).
         require_loss_field: Refuse a record with neither a ``reward`` nor an ``advantage``
             (the policy-gradient loss needs one).
+        digests: Gets ``(record, sample_digest)`` of every record read, to find repeated samples
+            (:func:`repeated_records`).
 
     Returns:
         For each of :data:`~megatron_r3.dataplane.sample_checks.LOSS_FIELDS`, the first record of the range
@@ -38,7 +67,10 @@ def check_records(reader: RolloutDumpReader, first: int = 0, stop: Optional[int]
     """
     missing: dict[str, Optional[int]] = dict.fromkeys(LOSS_FIELDS)
     for record in range(first, len(reader) if stop is None else stop):
-        meta = reader.read(record).meta
+        sample = reader.read(record)
+        meta = sample.meta
+        if digests is not None:
+            digests.append((record, sample_digest(sample)))
         if require_loss_field and not any(key in meta for key in LOSS_FIELDS):
             raise RolloutDumpError(f"record {record} has neither 'reward' nor 'advantage' in its metadata: the "
                                    f"policy-gradient loss needs one")

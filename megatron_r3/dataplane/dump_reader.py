@@ -77,24 +77,48 @@ class RolloutDumpReader:
         self._base = self._file.tell()
         magic = self._file.read(len(MAGIC))
         if len(magic) != len(MAGIC) or magic[:6] != MAGIC[:6]:
-            raise RolloutDumpError(f"not a megatron-r3 rollout dump (magic {magic!r})")
+            raise RolloutDumpError(f"{self.name} is not a megatron-r3 rollout dump (magic {magic!r})")
         self.version = int.from_bytes(magic[6:], "big")
         if self.version not in READABLE_VERSIONS:
             raise RolloutDumpError(
-                f"rollout dump format version {self.version} is not supported: this reader reads versions "
+                f"rollout dump {self.name}: format version {self.version} is not supported: this reader reads versions "
                 f"{', '.join(map(str, READABLE_VERSIONS))} (route validity per token); write the dump again"
             )
         (json_len,) = struct.unpack("<I", self._read_exact(4, "header"))
-        header = json.loads(self._read_exact(json_len, "header"))
         self._records_start = len(MAGIC) + 4 + json_len
-        self.num_experts = int(header["num_experts"])
-        self.topk = int(header["topk"])
-        self.layer_numbers = tuple(header["layer_numbers"])
-        self._dtype = np.dtype(header["id_dtype"]).newbyteorder("<")
-        if np.dtype(header["id_dtype"]) != id_dtype(self.num_experts):
-            raise RolloutDumpError(f"header id_dtype {header['id_dtype']} does not fit {self.num_experts} experts")
+        self.num_experts, self.topk, self.layer_numbers, self._dtype = self._header(
+            self._read_exact(json_len, "header"))
         self._index: Optional[RolloutDumpIndex] = None
         self._stats: Optional[RolloutDumpStats] = None
+
+    def _header(self, text: bytes) -> tuple[int, int, tuple[int, ...], np.dtype]:
+        """The header's fields, each checked: a damaged header is named, field by field."""
+        def bad(why: str) -> RolloutDumpError:
+            return RolloutDumpError(f"rollout dump {self.name}: header: {why}")
+
+        try:
+            header = json.loads(text)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise bad(f"not a JSON object ({error})") from None
+        if not isinstance(header, dict):
+            raise bad(f"a JSON object is expected, got {type(header).__name__}")
+        missing = [key for key in ("num_experts", "topk", "layer_numbers", "id_dtype") if key not in header]
+        if missing:
+            raise bad(f"no {', '.join(repr(key) for key in missing)}")
+        for key in ("num_experts", "topk"):
+            if isinstance(header[key], bool) or not isinstance(header[key], int) or header[key] < 1:
+                raise bad(f"{key} = {header[key]!r} is not an integer >= 1")
+        layers = header["layer_numbers"]
+        if (not isinstance(layers, list) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers)
+                or layers != sorted(set(layers))):
+            raise bad(f"layer_numbers = {layers!r} is not a list of increasing layer numbers >= 1")
+        if header["num_experts"] > 32768:
+            raise bad(f"num_experts = {header['num_experts']} do not fit int16 routing ids")
+        wanted = id_dtype(header["num_experts"])
+        if header["id_dtype"] != wanted.name:
+            raise bad(f"id_dtype = {header['id_dtype']!r} does not fit {header['num_experts']} experts (it is "
+                      f"{wanted.name!r})")
+        return header["num_experts"], header["topk"], tuple(layers), wanted.newbyteorder("<")
 
     @property
     def index(self) -> RolloutDumpIndex:
@@ -238,9 +262,16 @@ class RolloutDumpReader:
         body = self._file.read(length)
         if zlib.crc32(body) != crc:
             raise corrupt("CRC mismatch")
+        if len(body) < 4:
+            raise corrupt(f"the index body of {len(body)} bytes has no room for its length field")
         (json_len,) = struct.unpack_from("<I", body)
-        stats = json.loads(body[4 : 4 + json_len])
-        n = int(stats["num_samples"])
+        try:
+            stats = json.loads(body[4 : 4 + json_len])
+            n = int(stats["num_samples"])
+            max_num_tokens = int(stats["max_num_tokens"])
+            low, high = stats["min_token_id"], stats["max_token_id"]
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
+            raise corrupt(f"its stats are not the JSON object expected ({type(error).__name__}: {error})") from None
         if len(body) != 4 + json_len + 12 * n:
             raise corrupt(f"the index body of {len(body)} bytes does not hold {n} records")
         offsets = np.frombuffer(body, dtype="<u8", count=n, offset=4 + json_len).astype(np.int64)
@@ -248,10 +279,10 @@ class RolloutDumpReader:
         ends = np.append(offsets[1:], index_at)
         if n and (offsets[0] != self._records_start or (ends - offsets < RECORD_HEAD.size + BODY_HEAD.size).any()):
             raise corrupt("record offsets do not run from the header to the index")
-        if int(num_tokens.max(initial=0)) != stats["max_num_tokens"]:
-            raise corrupt(f"max_num_tokens {stats['max_num_tokens']} is not the longest sample's token count")
+        if int(num_tokens.max(initial=0)) != max_num_tokens:
+            raise corrupt(f"max_num_tokens {max_num_tokens} is not the longest sample's token count")
         index = RolloutDumpIndex(offsets, num_tokens, end=index_at, from_footer=True)
-        return index, RolloutDumpStats(n, int(stats["max_num_tokens"]), stats["min_token_id"], stats["max_token_id"])
+        return index, RolloutDumpStats(n, max_num_tokens, low, high)
 
     def _scan(self, *, with_token_ids: bool) -> tuple[RolloutDumpIndex, Optional[RolloutDumpStats]]:
         """Index (and, reading every record's token ids, stats) from the record heads, seeking over bodies."""
@@ -293,9 +324,24 @@ class RolloutDumpReader:
         return index, RolloutDumpStats(record, int(index.num_tokens.max(initial=0)), low, high)
 
     def _decode(self, body: memoryview, index: int) -> RolloutSample:
+        if len(body) < BODY_HEAD.size:
+            raise RolloutDumpError(f"record {index}: a body of {len(body)} bytes has no room for its "
+                                   f"{BODY_HEAD.size}-byte head")
         t, flags, meta_len = BODY_HEAD.unpack_from(body)
+        per_token = 5 + (4 if flags & HAS_LOGPROBS else 0)  # token id, loss mask, log-prob
+        if flags & HAS_ROUTES:
+            per_token += len(self.layer_numbers) * self.topk * self._dtype.itemsize + 1  # routes, validity
+        needed = BODY_HEAD.size + meta_len + t * per_token
+        if flags & ~(HAS_LOGPROBS | HAS_ROUTES) or needed != len(body):
+            raise RolloutDumpError(f"record {index}: its body of {len(body)} bytes does not hold what its head "
+                                   f"says (num_tokens {t}, flags {flags:#x}, meta_len {meta_len}: {needed} bytes)")
         at = BODY_HEAD.size
-        meta = json.loads(bytes(body[at : at + meta_len]))
+        try:
+            meta = json.loads(bytes(body[at : at + meta_len]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RolloutDumpError(f"record {index}: meta is not JSON ({error})") from None
+        if not isinstance(meta, dict):
+            raise RolloutDumpError(f"record {index}: meta must be a JSON object, got {type(meta).__name__}")
         at += meta_len
 
         def take(dtype, shape):
@@ -317,8 +363,6 @@ class RolloutDumpReader:
             validate_routes(ids, valid, num_experts=self.num_experts, topk=self.topk,
                             layer_numbers=self.layer_numbers, sample=index)
             routes = RolloutRoutes(ids, valid, self.num_experts, self.layer_numbers)
-        if at != len(body):
-            raise RolloutDumpError(f"record {index}: {len(body) - at} unexpected trailing bytes")
         sample = RolloutSample(token_ids, loss_mask, logprobs, routes, meta)
         check_sample_values(sample, f"record {index}")  # the dump may come from elsewhere
         return sample
@@ -326,7 +370,8 @@ class RolloutDumpReader:
     def _read_exact(self, n: int, what: str) -> bytes:
         data = self._file.read(n)
         if len(data) != n:
-            raise RolloutDumpError(f"truncated {what}")
+            raise RolloutDumpError(f"rollout dump {self.name}: {what}: truncated ({len(data)} of {n} bytes)"
+                                   if what == "header" else f"{what}: truncated ({len(data)} of {n} bytes)")
         return data
 
     def close(self) -> None:

@@ -133,6 +133,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                   help="a run from scratch appends to an existing --metrics-file")
     existing_metrics.add_argument("--overwrite-metrics-file", action="store_true",
                                   help="a run from scratch replaces an existing --metrics-file")
+    training.add_argument("--drop-cut-metrics-line", action="store_true",
+                          help="with --append-metrics-file: drop a last line of --metrics-file that was cut (no "
+                               "newline: a run stopped while writing it) before appending; refused otherwise")
 
     checkpoints = parser.add_argument_group("checkpointing")
     checkpoints.add_argument("--save", default=None, help="directory to save checkpoints to")
@@ -192,7 +195,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.routing_replay_mode = "r3"
     problems = [f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}" for flag, needs in (
         ("save_interval", "save"), ("load_optional", "load"), ("append_metrics_file", "metrics_file"),
-        ("overwrite_metrics_file", "metrics_file"), ("allow_truncated_rollout_dump", "rollout_dump"))
+        ("overwrite_metrics_file", "metrics_file"), ("allow_truncated_rollout_dump", "rollout_dump"),
+        ("drop_cut_metrics_line", "metrics_file"))
         if getattr(args, flag) not in (None, False) and getattr(args, needs) is None]
     problems += value_problems(args)
     if not problems:

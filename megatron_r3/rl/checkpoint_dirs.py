@@ -122,17 +122,26 @@ def start_staging(directory: str, iteration: int) -> None:
 
 
 def publish(directory: str, iteration: int) -> None:
-    """Rank 0, once every rank has written: the checkpoint takes its name, then the tracker points to it."""
+    """Rank 0, once every rank has written: the checkpoint takes its name, then the tracker points to it.
+
+    The tracker's new text is written (to a temporary file) first: on a full disk that write
+    fails before anything is renamed, and the staging folder is all there is to remove.
+    """
+    tracker = os.path.join(directory, TRACKER_FILENAME)
+    temporary = tracker + ".tmp"
+    try:
+        with open(temporary, "w") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     final = iteration_dir(directory, iteration)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(staging_dir(directory, iteration), final)
-    tracker = os.path.join(directory, TRACKER_FILENAME)
-    temporary = tracker + ".tmp"
-    with open(temporary, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(temporary, tracker)
 
 

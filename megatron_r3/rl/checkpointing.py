@@ -18,12 +18,14 @@ are saved beside them and restored under the same layout only
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import CheckpointException  # a BaseException: every rank's failures
 from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -41,6 +43,7 @@ from megatron_r3.rl.checkpoint_dirs import (
     staging_dir,
     start_staging,
 )
+from megatron_r3.rl.checkpoint_finite import describe, loaded_tensors, non_finite_tensors, sharded_tensors
 from megatron_r3.rl.checkpoint_optimizer import OPTIMIZER_METADATA, adam_step, prepare_for_load
 from megatron_r3.rl.checkpoint_rng import (
     RNGStateNotRestoredWarning,
@@ -57,6 +60,18 @@ _FORMAT_KEY = "megatron_r3_checkpoint_format"
 # Top-level keys of the checkpoint's state dict besides the models'.
 _RESERVED_KEYS = frozenset({_FORMAT_KEY, "iteration", "parallel_layout", "rng_device", "state", "rng_state",
                             "optimizer", "optimizer_step", "optimizer_tensors", "opt_param_scheduler"})
+
+
+class NonFiniteCheckpointError(ValueError):
+    """A save or a load met a tensor holding a NaN or an Inf; nothing was written or used."""
+
+
+class CheckpointReadError(ValueError):
+    """A file of a checkpoint cannot be read (a shard deleted or cut)."""
+
+
+class CheckpointSaveError(OSError):
+    """A save failed while writing (a full disk, another OSError): its partial folder was removed."""
 
 
 def save_checkpoint(
@@ -88,6 +103,11 @@ def save_checkpoint(
 
     Raises:
         ValueError: a bad iteration or model name.
+        NonFiniteCheckpointError: a tensor to save holds a NaN or an Inf (named; checked on
+            every rank before anything is written): nothing is written or marked.
+        CheckpointSaveError: writing failed on some rank (a full disk, another OSError):
+            the partial folder is removed, the tracker is untouched; names the folder and
+            the error.
     """
     if not isinstance(iteration, int) or iteration < 0:
         raise ValueError(f"iteration must be an int >= 0, not {iteration!r}")
@@ -108,17 +128,32 @@ def save_checkpoint(
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
 
-    if dist.get_rank() == 0:
-        start_staging(directory, iteration)
-    dist.barrier()
-    # Synchronous and not fully parallel: every rank writes its main replicas itself.
-    dist_checkpointing.save(sharded, staging_dir(directory, iteration),
-                            sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    bad = _first_on_any_rank(non_finite_tensors(sharded_tensors(sharded)) or None)
+    if bad is not None:
+        raise NonFiniteCheckpointError(
+            f"not saving iteration {iteration} to {directory}: {describe(bad)} holds a NaN or an Inf; nothing was "
+            f"written, {_latest_text(directory)}")
 
-    # dist_checkpointing.save ends with a barrier: every rank has written its shards.
-    if dist.get_rank() == 0:
-        publish(directory, iteration)
-    dist.barrier()
+    staging = staging_dir(directory, iteration)
+    failure = _attempt(lambda: start_staging(directory, iteration)) if dist.get_rank() == 0 else None
+    if _first_on_any_rank(failure) is None:
+        # Synchronous and not fully parallel: every rank writes its main replicas itself.
+        failure = _attempt(lambda: dist_checkpointing.save(
+            sharded, staging, sharded_strategy=get_default_save_sharded_strategy("torch_dist")))
+        # dist_checkpointing.save ends with a barrier: every rank has written its shards.
+        if _first_on_any_rank(failure) is None and dist.get_rank() == 0:
+            failure = _attempt(lambda: publish(directory, iteration))
+    failure = _first_on_any_rank(failure)
+    if failure is not None:
+        # The writer passes on a full disk's OSError as a bare RuntimeError (torch.save's "unexpected pos"):
+        # the free space, measured before the partial folder goes, tells.
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else None
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # a partial checkpoint is of no use to anyone
+        dist.barrier()
+        on_disk = "" if free is None else f" ({free} bytes were free on its filesystem)"
+        raise CheckpointSaveError(f"saving iteration {iteration} into {staging} failed{on_disk}: {failure}; the "
+                                  f"partial folder was removed, {_latest_text(directory)}")
     return iteration_dir(directory, iteration)
 
 
@@ -155,7 +190,10 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: no complete checkpoint in ``directory``, or none of ``iteration``.
         ValueError: the checkpoint does not fit: a tensor it lacks or holds with
-            another shape (named), no optimizer state or schedule, another schedule.
+            another shape (named), no optimizer state or schedule, another schedule; a file
+            of it cannot be read (a shard deleted or cut).
+        NonFiniteCheckpointError: a tensor read holds a NaN or an Inf (named, checked on
+            every rank before anything is loaded into the models or the optimizer).
     """
     if iteration is None:
         iteration = latest_iteration(directory)
@@ -166,7 +204,9 @@ def load_checkpoint(
     if not is_complete(path):
         raise FileNotFoundError(f"no checkpoint of iteration {iteration} in {directory}; complete checkpoints: "
                                 f"iterations {complete_iterations(directory)}")
-    common = dist_checkpointing.load_common_state_dict(path)
+    if not os.path.isfile(os.path.join(path, ".metadata")):  # torch's reader would log tracebacks looking for it
+        raise CheckpointReadError(f"{path}: cannot read the checkpoint: its index of tensors, .metadata, is missing")
+    common = _read(path, lambda: dist_checkpointing.load_common_state_dict(path))
     if common.get(_FORMAT_KEY) != FORMAT_VERSION:
         raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {FORMAT_VERSION} "
                          f"({_FORMAT_KEY} is {common.get(_FORMAT_KEY)!r})")
@@ -192,7 +232,11 @@ def load_checkpoint(
         sharded["rng_state"] = rng_state_object(None)
     _check_tensors_fit(path, sharded)
 
-    loaded = dist_checkpointing.load(sharded, path)
+    loaded = _read(path, lambda: dist_checkpointing.load(sharded, path))
+    bad = _first_on_any_rank(non_finite_tensors(loaded_tensors(sharded, loaded)) or None)
+    if bad is not None:
+        raise NonFiniteCheckpointError(f"{path}: {describe(bad)} holds a NaN or an Inf: the checkpoint is not "
+                                       f"loaded (the run that saved it predates this check, or the file changed)")
     for key, (prefix, chunk) in _chunks_by_key(models).items():
         chunk.load_state_dict({name[len(prefix):]: value for name, value in loaded[key].items()})
     if optimizer is not None:
@@ -230,6 +274,11 @@ def _models_sharded_state_dict(models: Mapping[str, Sequence[torch.nn.Module]]) 
     return {key: chunk.sharded_state_dict(prefix=prefix) for key, (prefix, chunk) in _chunks_by_key(models).items()}
 
 
+def models_sharded_state_dict(models: Mapping[str, Sequence[torch.nn.Module]]) -> dict:
+    """The sharded state a checkpoint of ``models`` holds for them (keys as :func:`save_checkpoint` gives them)."""
+    return _models_sharded_state_dict(models)
+
+
 def _policy_state(models: Mapping[str, Sequence[torch.nn.Module]], model_state: dict) -> dict:
     """The sharded state of ``models["model"]``, the chunks the optimizer trains."""
     return {key: model_state[key] for key, (prefix, _) in _chunks_by_key(models).items() if not prefix}
@@ -242,7 +291,7 @@ def _common_object(data: Any) -> ShardedObject:
 
 def _check_tensors_fit(path: str, sharded: dict) -> None:
     """Every tensor to load is in the checkpoint with the same full shape; raises on every rank otherwise."""
-    saved = dist_checkpointing.load_tensors_metadata(path)
+    saved = _read(path, lambda: dist_checkpointing.load_tensors_metadata(path))
     problem = None
     for tensor in nested_values(sharded):
         if not isinstance(tensor, ShardedTensor):
@@ -262,3 +311,57 @@ def _check_tensors_fit(path: str, sharded: dict) -> None:
     for rank_problem in gathered:
         if rank_problem is not None:
             raise ValueError(f"{path} does not fit: {rank_problem}")
+
+
+def _read(path: str, read: Callable[[], Any]) -> Any:
+    """``read()`` of the checkpoint ``path`` on every rank, a file it cannot read (a shard or the metadata
+    deleted or cut) named in one line on every rank."""
+    failure, result = None, None
+    try:
+        result = read()
+    except (Exception, CheckpointException) as error:  # Megatron's and torch's wrappers, OSError, unpickling
+        failure = _cause(error)
+    failure = _first_on_any_rank(failure)
+    if failure is not None:
+        raise CheckpointReadError(f"{path}: cannot read the checkpoint: {failure}")
+    return result
+
+
+def _attempt(write) -> Optional[str]:
+    """Runs ``write``; None, or what went wrong in one line."""
+    try:
+        write()
+    except (Exception, CheckpointException) as error:  # an OSError, or a checkpoint writer's wrapper of one
+        return _cause(error)
+    return None
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost error behind ``error`` in one line (an OSError names its file and errno)."""
+    while True:
+        failures = getattr(error, "failures", None)  # torch's CheckpointException: {rank: (error, traceback)}
+        if failures:
+            error = next(iter(failures.values()))[0]
+        elif error.__cause__ is not None:
+            error = error.__cause__
+        else:
+            break
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def _first_on_any_rank(problem):
+    """The first rank's problem (anything picklable, or None) on every rank; call it on every rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p is not None), None)
+
+
+def _latest_text(directory: str) -> str:
+    """What the tracker names now, for a message about a save that did not happen."""
+    try:
+        latest = latest_iteration(directory)
+    except ValueError:
+        latest = None
+    if latest is None:
+        return f"{os.path.join(directory, TRACKER_FILENAME)} was not written"
+    return f"{os.path.join(directory, TRACKER_FILENAME)} still names iteration {latest}"

@@ -49,6 +49,8 @@ class EmbeddedRollouts:
     The engine samples with the weights it holds; the run moves them on each iteration.
     """
 
+    loss_field = "reward"  # advantages are rewards normalised within each prompt's group
+
     def __init__(self, args: argparse.Namespace, engine: RolloutEngine, per_rank: int):
         self.task = task_of(args)
         self.engine = engine
@@ -95,7 +97,7 @@ class DumpRollouts:
         try:
             self._check_footer(args.allow_truncated_rollout_dump, log)
             check_dump(self.reader, args)
-            self.loss_field = check_dump_records(self.reader)
+            self.loss_field = check_dump_records(self.reader, log)
         except BaseException:
             self.reader.close()
             raise

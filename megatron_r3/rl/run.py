@@ -25,17 +25,25 @@ from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import complete_args
 from megatron_r3.rl.checkpoint_dirs import find_checkpoint, save_directory_problem
 from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
-from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
+from megatron_r3.rl.checkpoint_space import checkpoint_bytes, space_problem
+from megatron_r3.rl.checkpointing import (
+    CheckpointReadError,
+    CheckpointSaveError,
+    NonFiniteCheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
+from megatron_r3.rl.metrics_file import MetricsFile, metrics_file_problem, overwrite_warning
 from megatron_r3.rl.model_factory import build_model, transformer_config
 from megatron_r3.rl.phase_timer import PhaseTimer
 from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rl.profiling import IterationProfiler
 from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
-from megatron_r3.rl.run_checks import metrics_file_mode, raise_on_any_rank
+from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.tasks import EOS
-from megatron_r3.rl.train_metrics import MetricsFile, iteration_metrics, progress_line
+from megatron_r3.rl.train_metrics import iteration_metrics, progress_line
 from megatron_r3.rl.training_stack import build_training_stack
 
 
@@ -107,7 +115,7 @@ def check_outputs(
 
     Returns:
         The checkpoint to resume from (``(run directory, iteration)``, or None) and the
-        :class:`~megatron_r3.rl.train_metrics.MetricsFile` mode.
+        :class:`~megatron_r3.rl.metrics_file.MetricsFile` mode.
 
     Raises:
         RunCheckError: on every rank, naming the flag, the path and the rank.
@@ -130,14 +138,20 @@ def check_outputs(
     raise_on_any_rank(problem)
     mode, problem = "new", None
     if args.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
-        mode, why = metrics_file_mode(os.path.exists(args.metrics_file), checkpoint is not None,
-                                      args.append_metrics_file, args.overwrite_metrics_file,
-                                      noted_by_an_earlier_attempt(args.metrics_file))
-        problem = None if why is None else f"--metrics-file {args.metrics_file} {why}"
         try:
             check_output(args.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
         except OutputFileError as error:
-            problem = problem or str(error)
+            problem = str(error)
+        else:
+            mode, why = metrics_file_mode(os.path.exists(args.metrics_file), checkpoint is not None,
+                                          args.append_metrics_file, args.overwrite_metrics_file,
+                                          noted_by_an_earlier_attempt(args.metrics_file))
+            resumed = None if checkpoint is None else checkpoint[1]
+            problem = (f"--metrics-file {args.metrics_file} {why}" if why is not None else
+                       metrics_file_problem(args.metrics_file, mode, resumed, args.drop_cut_metrics_line))
+            warning = overwrite_warning(args.metrics_file, resumed) if mode == "overwrite" else None
+            if problem is None and warning is not None:
+                log(f" {warning}")
     raise_on_any_rank(problem)
     return checkpoint, mode
 
@@ -158,7 +172,19 @@ def save(run: TrainingRun) -> None:
     if run.engine is not None:
         state["rollout_weight_advances"] = run.engine.weights.advances
     stack = run.trainer.stack
-    save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), stack.optimizer, state, stack.scheduler)
+    try:
+        save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), stack.optimizer, state, stack.scheduler)
+    except (NonFiniteCheckpointError, CheckpointSaveError) as error:
+        raise type(error)(f"--save: {error}") from None
+
+
+def check_save_space(run: TrainingRun) -> None:
+    """Before the first iteration: ``--save`` has room for one checkpoint (its size from the model and the
+    optimizer, :mod:`megatron_r3.rl.checkpoint_space`), on every rank."""
+    if run.args.save is None:
+        return
+    problem = space_problem(run.args.save, checkpoint_bytes(checkpoint_models(run), run.trainer.stack.optimizer))
+    raise_on_any_rank(None if problem is None else f"--save {run.args.save}: {problem}")
 
 
 def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callable[[str], None] = print) -> None:
@@ -173,8 +199,11 @@ def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callabl
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
         stack = run.trainer.stack
-        run.iteration, state = load_checkpoint(directory, checkpoint_models(run), stack.optimizer, iteration,
-                                               stack.scheduler)
+        try:
+            run.iteration, state = load_checkpoint(directory, checkpoint_models(run), stack.optimizer, iteration,
+                                                   stack.scheduler)
+        except (NonFiniteCheckpointError, CheckpointReadError) as error:
+            raise type(error)(f"--load: {error}") from None
     run.consumed_samples = state["consumed_samples"]
     run.source.resume(run.consumed_samples)
     if run.engine is not None:
@@ -200,7 +229,8 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
     args = run.args
     moe_layers = run.trainer.spec.model_moe_layers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
-    metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration)
+    metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration,
+                               drop_cut_line=args.drop_cut_metrics_line)
     if logging_rank and args.metrics_file is not None:
         note_metrics_file(args.metrics_file)
     profiler = IterationProfiler(args, dist.get_rank(), log)
@@ -256,8 +286,13 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     run = setup(args, device, rank_log)
     rank_log(f" time to build the policy, its training stack and the rollout source (seconds): "
              f"{time.perf_counter() - started:.1f}")
+    warning = degenerate_groups_warning(args.rollouts_per_prompt,
+                                        normalised=run.source.loss_field == "reward")
+    if warning is not None:
+        rank_log(f" {warning}")
     try:
         resume(run, checkpoint, rank_log)
+        check_save_space(run)
         if isinstance(run.source, DumpRollouts):
             run.source.check_microbatches(run.args, run.iteration, run.trainer.rows.rank.alignment)
         return run_iterations(run, log, metrics_mode)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.dataplane.dump_checks import check_records
+from megatron_r3.dataplane.dump_checks import check_records, repeated_records
 from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
 
@@ -235,12 +235,13 @@ def metrics_file_mode(exists: bool, resumed: bool, append: bool, overwrite: bool
     return "new", None
 
 
-def check_dump_records(reader: RolloutDumpReader) -> str:
+def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
     """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
 
     Every record's CRC, routes, log-probs and loss fields are checked
     (:func:`~megatron_r3.dataplane.dump_checks.check_records`), one record in memory at a time.
-    Call it on every rank.
+    Records that repeat an earlier one (the same sample twice) are counted and ``log`` warns of
+    them, naming the first. Call it on every rank.
 
     Returns:
         ``"advantage"`` when every sample has one, else ``"reward"`` when every sample has one.
@@ -251,14 +252,22 @@ def check_dump_records(reader: RolloutDumpReader) -> str:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     count = len(reader)
-    problem, missing = None, {}
+    problem, missing, digests = None, {}, []
     try:
-        missing = check_records(reader, rank * count // world, (rank + 1) * count // world, require_loss_field=True)
+        missing = check_records(reader, rank * count // world, (rank + 1) * count // world, require_loss_field=True,
+                                digests=digests)
     except ValueError as error:  # RolloutDumpError, RoutingValidationError, SampleValueError
         problem = f"rollout dump {reader.name}: {error}"
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (problem, missing))
-    _raise_first([p for p, _ in gathered])
+    dist.all_gather_object(gathered, (problem, missing, digests))
+    _raise_first([p for p, _, _ in gathered])
+    repeats = repeated_records([d for _, _, rank_digests in gathered for d in rank_digests])
+    if repeats:
+        shown = ", ".join(f"record {r} = record {earlier}" for r, earlier in repeats[:3])
+        log(f" warning: rollout dump {reader.name}: {len(repeats)} records repeat an earlier one (the same tokens, "
+            f"log-probs, routes and metadata): {shown}{', ...' if len(repeats) > 3 else ''}; each trains as often "
+            f"as it appears")
+    gathered = [(p, m) for p, m, _ in gathered]
     first = {key: min((m[key] for _, m in gathered if m[key] is not None), default=None) for key in missing}
     if first["advantage"] is None:
         return "advantage"
@@ -267,6 +276,15 @@ def check_dump_records(reader: RolloutDumpReader) -> str:
     raise RunCheckError(f"rollout dump {reader.name}: record {first['reward']} has no 'reward' and record "
                         f"{first['advantage']} no 'advantage': the loss takes every sample's advantage, or "
                         f"normalises every sample's reward")
+
+
+def degenerate_groups_warning(rollouts_per_prompt: int, normalised: bool) -> Optional[str]:
+    """A warning when group normalisation makes every advantage zero (groups of one sample), or None."""
+    if rollouts_per_prompt != 1 or not normalised:
+        return None
+    return ("warning: --rollouts-per-prompt 1: each group holds one sample, so every group-normalised advantage is "
+            "0 and the loss gives the policy no gradient; use >= 2 rollouts per prompt (or a dump whose samples "
+            "carry an 'advantage')")
 
 
 def microbatch_problem(num_tokens: Sequence[int], *, consumed_samples: int, iterations: int, global_batch: int,

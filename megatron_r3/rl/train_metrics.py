@@ -33,10 +33,7 @@ keys (``None`` where the iteration did not measure a value):
 from __future__ import annotations
 
 import datetime
-import json
-import math
-import os
-from typing import Optional, Sequence, TextIO
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -154,46 +151,3 @@ def progress_line(metrics: dict, train_iters: int, timers: bool = False) -> str:
 
 def _number(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
-
-
-METRICS_FILE_MODES = ("new", "append", "overwrite", "resume")
-
-
-class MetricsFile:
-    """Writes one JSON object per logged iteration to a JSONL file (on the logging rank only).
-
-    Args:
-        path: The file, or None to write nothing.
-        mode: ``"new"``: create the file, which must not exist; ``"append"``: add lines after
-            the file's; ``"overwrite"``: start it afresh; ``"resume"``: keep the file's lines of
-            iterations up to ``keep_through`` and drop the rest (a run that died after its last
-            checkpoint wrote them, and the resumed run writes them again).
-        keep_through: With ``"resume"``, the last iteration whose lines are kept.
-    """
-
-    def __init__(self, path: Optional[str], mode: str = "new", keep_through: Optional[int] = None):
-        if mode not in METRICS_FILE_MODES:
-            raise ValueError(f"metrics file mode must be one of {METRICS_FILE_MODES}, got {mode!r}")
-        self._file: Optional[TextIO] = None
-        if not path:
-            return
-        if mode == "resume" and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= keep_through]
-            # The dropped lines go by a rename: a run killed now leaves the whole old file, never half of it.
-            temporary = f"{path}.{os.getpid()}.partial"
-            with open(temporary, "w") as f:
-                f.writelines(kept)
-            os.replace(temporary, path)
-        self._file = open(path, {"new": "x", "append": "a", "overwrite": "w", "resume": "a"}[mode])
-
-    def write(self, metrics: dict) -> None:
-        if self._file is not None:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-            self._file.write(json.dumps(clean) + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

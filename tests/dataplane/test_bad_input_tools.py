@@ -414,3 +414,127 @@ def test_engine_api_refuses_what_the_tool_refuses():
         vllm_samples(vllm_request([first]), SPEC, rewards=[math.inf])
     with pytest.raises(SampleValueError, match=r"prompt_token_ids\[\d\] = \d+ is outside the vocabulary \[0, 10\)"):
         vllm_samples(vllm_request([first]), SPEC, vocab_size=10)
+
+
+# A damaged dump: its header, a record's body, named part by part.
+
+def _with_header(header):
+    """The bytes of a one-sample dump whose header JSON is ``header`` (bytes), records as written."""
+    data = _dump_bytes([_sample()], finish=False)
+    json_len = int.from_bytes(data[8:12], "little")
+    return data[:8] + len(header).to_bytes(4, "little") + header + data[12 + json_len:]
+
+
+def _good_header(**changes):
+    header = {"num_experts": 16, "topk": 2, "layer_numbers": [2, 4], "id_dtype": "uint8", **changes}
+    return json.dumps({k: v for k, v in header.items() if v is not None}).encode()
+
+
+DAMAGED_HEADERS = [
+    ("not JSON", b'{"num_experts": 16, ', r"header: not a JSON object \(Expecting"),
+    ("not UTF-8", b"\xff\xfe", r"header: not a JSON object \(Expecting value"),
+    ("an array", b"[16, 2]", r"header: a JSON object is expected, got list"),
+    ("no topk", _good_header(topk=None), r"header: no 'topk'"),
+    ("topk a string", _good_header(topk="2"), r"header: topk = '2' is not an integer >= 1"),
+    ("experts 0", _good_header(num_experts=0), r"header: num_experts = 0 is not an integer >= 1"),
+    ("layers not a list", _good_header(layer_numbers=4), r"header: layer_numbers = 4 is not a list of increasing"),
+    ("layers repeated", _good_header(layer_numbers=[2, 2]), r"header: layer_numbers = \[2, 2\] is not a list"),
+    ("wrong id dtype", _good_header(id_dtype="int64"), r"header: id_dtype = 'int64' does not fit 16 experts \(it "
+                                                       r"is 'uint8'\)"),
+    ("too many experts", _good_header(num_experts=40000), r"header: num_experts = 40000 do not fit int16"),
+    ("cut", None, r"header: truncated \(5 of \d+ bytes\)"),
+]
+
+
+@pytest.mark.parametrize("case, header, message", DAMAGED_HEADERS, ids=[c[0] for c in DAMAGED_HEADERS])
+def test_a_damaged_dump_header_is_named_with_the_file_and_the_field(tmp_path, case, header, message):
+    path = tmp_path / "damaged.r3dump"
+    path.write_bytes(_dump_bytes([_sample()])[:17] if header is None else _with_header(header))
+    before = snapshot(tmp_path)
+    with pytest.raises(RolloutDumpError, match=f"^rollout dump {path}: {message}"):
+        RolloutDumpReader(path)
+    assert snapshot(tmp_path) == before
+
+
+def _with_body(body):
+    """A dump of one record holding ``body`` (a valid CRC), no footer."""
+    import struct
+    import zlib
+
+    data = _dump_bytes([], finish=False)
+    return data + struct.pack("<4sQI", b"R3RC", len(body), zlib.crc32(body)) + body
+
+
+def _body(t=3, flags=0, meta=b"{}", extra=b""):
+    import struct
+
+    return struct.pack("<III", t, flags, len(meta)) + meta + b"\0" * (5 * t) + extra
+
+
+DAMAGED_RECORDS = [
+    ("no head", b"\0" * 5, r"record 0: (a body of 5 bytes has no room for its 12-byte head|truncated \(5 of 12 "
+                            r"bytes\))"),
+    ("short body", _body()[:-2], r"record 0: its body of 27 bytes does not hold what its head says \(num_tokens 3, "
+                                 r"flags 0x0, meta_len 2: 29 bytes\)"),
+    ("trailing bytes", _body(extra=b"xx"), r"record 0: its body of 31 bytes does not hold what its head says"),
+    ("log-probs missing", _body(flags=1), r"flags 0x1, meta_len 2: 41 bytes"),
+    ("unknown flag", _body(flags=4), r"flags 0x4"),
+    ("meta not JSON", _body(meta=b"{oops"), r"record 0: meta is not JSON \(Expecting"),
+    ("meta a list", _body(meta=b"[1]"), r"record 0: meta must be a JSON object, got list"),
+]
+
+
+@pytest.mark.parametrize("case, body, message", DAMAGED_RECORDS, ids=[c[0] for c in DAMAGED_RECORDS])
+def test_a_damaged_record_is_named_with_what_its_head_promised(case, body, message):
+    reader = RolloutDumpReader(io.BytesIO(_with_body(body)))
+    with pytest.raises(RolloutDumpError, match=message):
+        list(reader)
+    with pytest.raises(RolloutDumpError, match=message):
+        reader.read(0)
+
+
+def test_a_damaged_footer_is_named():
+    data = bytearray(_dump_bytes([_sample()]))
+    reader = RolloutDumpReader(io.BytesIO(bytes(data)))
+    at = reader.index.end  # the index record's head
+    body_at = at + 16
+    json_len = int.from_bytes(data[body_at:body_at + 4], "little")
+    stats = json.loads(data[body_at + 4:body_at + 4 + json_len])
+    del stats["max_num_tokens"]
+    text = json.dumps(stats).encode().ljust(json_len)
+    import zlib
+
+    data[body_at + 4:body_at + 4 + json_len] = text
+    body = bytes(data[body_at:len(data) - 16])
+    data[at + 12:at + 16] = zlib.crc32(body).to_bytes(4, "little")
+    with pytest.raises(RolloutDumpError, match=r"corrupt footer: its stats are not the JSON object expected "
+                                               r"\(KeyError: 'max_num_tokens'\)"):
+        RolloutDumpReader(io.BytesIO(bytes(data))).index
+
+
+# The same sample twice: warned of, with the count and the first ids.
+
+def test_repeated_requests_in_jsonl_are_warned_of_with_their_lines(tmp_path, capsys):
+    first, other = vllm_line(), vllm_line(1)
+    other["request_id"] = "other"
+    status, _, _ = convert(tmp_path, "vllm", [first, other, first, first])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert ("dump_vllm_rollouts: warning: " + str(tmp_path / "in.jsonl") + ": 4 samples repeat the request id and "
+            "completion index of an earlier one: request \"q\" completion 0 (lines 1 and 3), request \"q\" completion "
+            "1 (lines 1 and 3), request \"q\" completion 0 (lines 1 and 4), ...; each is in the dump as often as it "
+            "appears") in captured.err
+    status, _, _ = convert(tmp_path, "vllm", [first, other], None, "--overwrite")
+    assert status == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_repeated_records_of_a_dump_are_found_by_their_content():
+    from megatron_r3.dataplane.dump_checks import repeated_records
+
+    samples = [_sample(seed=0), _sample(seed=1), _sample(seed=0), _sample(seed=1, meta={"reward": 0.25}),
+               _sample(seed=1)]
+    reader = RolloutDumpReader(io.BytesIO(_dump_bytes(samples)))
+    digests = []
+    check_records(reader, 0, 3, digests=digests)
+    check_records(reader, 3, 5, digests=digests)  # another rank's share
+    assert repeated_records(digests[::-1]) == [(2, 0), (4, 1)]  # a different reward is another sample

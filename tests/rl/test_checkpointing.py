@@ -75,8 +75,8 @@ def _rng_snapshot():
     return {"torch": torch.get_rng_state(), **{name: state.clone() for name, state in tracker.items()}}
 
 
-class _Killed(Exception):
-    """Stands for the run dying."""
+class _Killed(BaseException):
+    """Stands for the run dying (no Exception: a save cleans up after one, a dead process does not)."""
 
 
 def _save_and_die(*args, **kwargs):

@@ -10,7 +10,8 @@ import torch
 
 from megatron_r3.rl.phase_timer import PhaseTimer
 from megatron_r3.rl.routing_agreement import routing_agreement_counts
-from megatron_r3.rl.train_metrics import MetricsFile, iteration_metrics, metric_keys, progress_line, zero_sums
+from megatron_r3.rl.metrics_file import MetricsFile
+from megatron_r3.rl.train_metrics import iteration_metrics, metric_keys, progress_line, zero_sums
 
 LAYERS = (2, 4)
 
