@@ -319,3 +319,13 @@ def test_a_rank_killed_mid_test_reads_as_crashed(tmp_path):
     side = ut.load_side(tmp_path / "side")
     outcome = {v["id"][-1]: v["outcome"] for v in side.values()}
     assert outcome == {"a": "passed", "b": "crashed", "c": "crashed", "d": "not run"}
+
+
+def test_a_node_id_relative_to_a_folder_above_the_side_names_the_same_test():
+    """pytest may make node ids relative to a rootdir above the bundle (the checkout's own
+    pytest.ini): the side's folder in them must not make every test differ."""
+    from upstream_tests import nodeid_key
+
+    plain = "tests/unit_tests/transformer/moe/test_routers.py::TestTop2Router::test_forward[1]"
+    assert nodeid_key("build/upstream-tests/pristine/" + plain) == nodeid_key(plain)
+    assert nodeid_key("build/upstream-tests/patched/" + plain) == nodeid_key(plain)

@@ -742,6 +742,11 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
         cmd = [
             *launch,
             "-m", "pytest", *targets,
+            # Test ids relative to the side's root, so both sides name a test alike.
+            "--rootdir", str(root),
+            # A file that cannot be imported here (one that needs TransformerEngine on a node
+            # without it) is reported as an error; the other files still run.
+            "--continue-on-collection-errors",
             "-p", "no:cacheprovider", "-p", PLUGIN_NAME,
             "-rfE", "--durations=0",
             "--junitxml", str(side_out / f"junit-attempt{attempt}-rank{{rank}}.xml"),
@@ -936,12 +941,20 @@ def export(out, dest):
 # compare
 
 
+SIDE_PREFIX = re.compile(r"^(?:[^:]*/)?(?:pristine|patched)/(?=tests/)")
+
+
 def junit_key(classname, name):
     return f"{classname}::{name}" if classname else name
 
 
 def nodeid_key(nodeid):
-    """The junit-style key (classname::name) of a pytest node id, as pytest's junitxml names it."""
+    """The junit-style key (classname::name) of a pytest node id, as pytest's junitxml names it.
+
+    A node id that pytest made relative to a directory above the side's root still names the
+    side's folder: that prefix goes, so both sides name a test alike.
+    """
+    nodeid = SIDE_PREFIX.sub("", nodeid)
     parts = nodeid.split("::")
     path = parts[0]
     if path.endswith(".py"):
