@@ -134,8 +134,6 @@ THD_LAYOUTS = {
 # forced ones, but the losses or gradients are not the single GPU's. Strict: a fix shows up here.
 KNOWN_FAILURES = {
     "pp2-vp2": "TE layers under interleaved 1F1B: per-token losses differ by up to 2.0 from one GPU's",
-    "cp2-thd-p2p": "TE's p2p context parallelism on padded THD rows: the word-embedding gradient differs "
-                   "by 0.49 of its largest entry (the a2a comm type matches)",
 }
 
 

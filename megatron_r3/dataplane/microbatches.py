@@ -118,23 +118,13 @@ def pack_rollout_microbatch(
             row["advantages"][start:start + length - 1] = advantages[i] * sample.loss_mask[1:]
         start += int(width)
 
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
     cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
     index, _, position = zigzag_placement(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
 
     def local(name):
         return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
 
-    cu, cu_padded = _to_device(cu, device), _to_device(cu_padded, device)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-        max_seqlen_q=int(padded.max()),
-        max_seqlen_kv=int(padded.max()),
-    )
+    params = padded_thd_params(_to_device(cu_padded, device), int(padded.max()))
     return RolloutMicrobatch(
         tokens=local("tokens"),
         labels=local("labels"),
@@ -149,6 +139,22 @@ def pack_rollout_microbatch(
         padded_lens=[int(p) for p in padded],
         seq_length=seq_length,
     )
+
+
+def padded_thd_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
+    """Self-attention over packed samples whose alignment padding follows each sample's last token.
+
+    Under causal attention no real token sees the padding after it, so the attention is told
+    the padded lengths, as one tensor for every ``cu_seqlens`` field: the real tokens' outputs
+    and gradients are those of the unpadded samples, and the padded rows are ordinary causal
+    rows whose outputs reach no loss. TransformerEngine reads the shared tensor as "no padding
+    between sequences" without a host sync; told real lengths with padding between sequences,
+    its p2p context-parallel backward left the padded rows' query gradients unwritten
+    (TE 2.20.2, docs/routing_replay.md).
+    """
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_padded, cu_seqlens_kv=cu_seqlens_padded,
+                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

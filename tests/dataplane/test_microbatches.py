@@ -56,7 +56,10 @@ def test_cp_ranks_together_hold_the_packed_row(tp, sp, cp):
         assert not rows["loss_mask"][span][n - 1:].any() and not rows["labels"][span][n - 1:].any()
         np.testing.assert_array_equal(rows["positions"][span].numpy(), np.arange(width))
         start += width
-    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 7, 8, 20, 25]
+    # The attention is told the padded lengths, one tensor for every cu_seqlens field (padded_thd_params).
+    params = mb.packed_seq_params
+    assert params.cu_seqlens_q.tolist() == np.concatenate([[0], np.cumsum(mb.padded_lens)]).tolist()
+    assert params.cu_seqlens_kv is params.cu_seqlens_q_padded is params.cu_seqlens_kv_padded is params.cu_seqlens_q
 
 
 def test_rows_that_do_not_fit_are_refused():

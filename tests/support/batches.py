@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_r3.dataplane.microbatches import padded_thd_params
 from megatron_r3.layers.context_parallel import zigzag_placement
 
 
@@ -92,10 +93,12 @@ class Microbatch:
         }
         params = self.packed_seq_params
         if params is not None:
+            # One copy per tensor: fields that share a tensor keep sharing it.
+            copies = {}
             params = dataclasses.replace(
                 params,
                 **{
-                    k: v.to(device)
+                    k: copies.setdefault(id(v), v.to(device))
                     for k, v in vars(params).items()
                     if isinstance(v, torch.Tensor)
                 },
@@ -154,8 +157,8 @@ def thd_microbatches(
 
     Each sequence is padded to a multiple of ``2 * cp`` (times ``tp`` under SP),
     the padded sequences are packed into one row, and this CP rank keeps chunks
-    ``r`` and ``2*cp-1-r`` of every sequence. ``packed_seq_params`` holds the
-    full-batch ``cu_seqlens`` (real lengths) and ``cu_seqlens_*_padded``.
+    ``r`` and ``2*cp-1-r`` of every sequence. ``packed_seq_params`` gives the attention the
+    full-batch padded lengths, as the data plane does (``padded_thd_params``).
     """
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -185,19 +188,10 @@ def thd_microbatches(
             )
             lengths.append(length)
             padded.append(length + pad)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
         index = zigzag_placement(cu_padded, cp_size, cp_rank, sum(padded) // cp_size).index
         batch = {k: torch.cat(v)[index].unsqueeze(0) for k, v in fields.items()}
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded,
-            max_seqlen_q=max(padded),
-            max_seqlen_kv=max(padded),
-        )
+        params = padded_thd_params(cu_padded, max(padded))
         out.append(
             Microbatch(**batch, packed_seq_params=params, seq_length=int(cu_padded[-1])).to(device)
         )
