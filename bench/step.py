@@ -91,6 +91,9 @@ def parse_args(argv=None):
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                         help="the layers (default: TransformerEngine's where installed, as the launcher)")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    parser.add_argument("--profile-host", type=int, default=0, metavar="N",
+                        help="print the N functions the host spends most time in (their own time, cProfile) during "
+                             "one pass of each variant, to find what a host-bound pass waits on")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of the variants (default: all; live and upstream always run)")
     parser.add_argument("--rounds", type=int, default=10)
@@ -245,6 +248,19 @@ def bf16_peak(device) -> tuple[float, float]:
     return datasheet, 2 * n ** 3 / statistics.median(times)
 
 
+def host_profile(fn, top: int) -> str:
+    """The ``top`` functions by their own host time over one call of fn (cProfile), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def kernel_ms(fn) -> float:
     """Device compute time of one call of fn, in ms: its kernels' time (profiler), NCCL's
     excluded (a collective's kernel also counts the time it waits for its peers)."""
@@ -290,6 +306,12 @@ def main(argv=None):
             sync()
         syncs[variant] = counts
     device_ms = {v: kernel_ms(partial(update_pass, v)) for v in variants} if on_gpu else {}
+    if args.profile_host:
+        for variant in variants:
+            text = host_profile(partial(update_pass, variant), args.profile_host)
+            sync()
+            if rank == 0:
+                print(f"--- host profile of one `{variant}` pass ---\n{text}", flush=True)
 
     per_round = {v: [] for v in variants}
     issue = {v: [] for v in variants}
