@@ -91,6 +91,8 @@ def parse_args(argv=None):
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                         help="the layers (default: TransformerEngine's where installed, as the launcher)")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    parser.add_argument("--moe-grouped-gemm-impl", choices=("transformer_engine", "torch"), default=None,
+                        help="who runs the grouped experts with TE's layers (the launcher's flag)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="print the N functions the host spends most time in (their own time, cProfile) during "
                              "one pass of each variant, to find what a host-bound pass waits on")
@@ -136,6 +138,7 @@ def build_model(args, device):
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
+        *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])
     config = model_factory.transformer_config(flags, device)
     (model,) = model_factory.build_model(flags, config, device)

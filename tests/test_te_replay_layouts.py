@@ -187,3 +187,15 @@ def test_a_route_moved_by_one_token_under_cp_thd_is_seen(thd_reference):
     assert _loss_error(result, thd_reference) > 4 * LOSS_ATOL, (
         f"moving routes by one token changed the losses by only {_loss_error(result, thd_reference):.3g}"
     )
+
+
+@pytest.mark.parametrize("host_counts", [False, True], ids=["device-splits", "host-splits"])
+def test_te_layers_with_torchs_grouped_experts_replay_forced_routes(host_counts):
+    """--moe-grouped-gemm-impl torch: TE's layers with GroupedGemmExperts (device group offsets) at EP=2
+    give the single GPU's losses and gradients, its routes replayed and recorded."""
+    step = _step("--moe-grouped-gemm-impl", "torch")
+    reference = _result(_run(Layout(), BSHD_DATA, step, BSHD_FORCED), BSHD_DATA, BSHD_FORCED)
+    assert any("local_experts" in name for name in reference[1])  # GroupedGemmExperts' parameters
+    layout = Layout(ep=2, dp=2, dispatcher="alltoall")
+    result = _result(_run(layout, BSHD_DATA, step, BSHD_FORCED, host_counts=host_counts), BSHD_DATA, BSHD_FORCED)
+    _assert_close(result, reference)

@@ -34,6 +34,12 @@ class _LocalGroupedGemmSpecProvider(LocalSpecProvider):
         return partial(GroupedGemmExperts, *sequential.args, **sequential.keywords)
 
 
+def grouped_gemm_experts_spec():
+    """The builder of :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts` (Megatron's local
+    expert linears), for any MoE layer spec."""
+    return _LocalGroupedGemmSpecProvider().grouped_mlp_modules(True)
+
+
 def get_gpt_layer_r3_spec(
     num_experts: Optional[int] = None,
     moe_grouped_gemm: bool = False,

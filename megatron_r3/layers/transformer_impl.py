@@ -10,16 +10,22 @@ every layout without TransformerEngine, on CPUs too.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from functools import partial
 from typing import Optional
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec
+from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec, grouped_gemm_experts_spec
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# Who runs grouped experts: TransformerEngine's TEGroupedMLP (host split sizes, one GEMM set-up
+# per expert on the host), or torch's grouped GEMM with device offsets (GroupedGemmExperts).
+GROUPED_GEMM_IMPLS = ("transformer_engine", "torch")
 # Flags whose feature exists only in TransformerEngine's layers.
 TE_ONLY_FLAGS = ("moe_permute_fusion", "moe_router_fusion")
 
@@ -64,10 +70,48 @@ def resolve_transformer_impl(requested: Optional[str], device: torch.device, te_
     return requested
 
 
-def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """The decoder-block spec of this rank's stage ``vp_stage`` for ``config.transformer_impl``."""
-    if config.transformer_impl == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+def resolve_grouped_gemm_impl(requested: Optional[str], transformer_impl: str) -> str:
+    """Who runs grouped experts: TE's ``TEGroupedMLP`` by default with TE's layers, torch's grouped GEMM
+    (the only one) with the local layers.
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    return get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage)
+    Raises:
+        ValueError: ``transformer_engine`` asked for with the local layers, or an unknown value.
+    """
+    if requested is None:
+        return "transformer_engine" if transformer_impl == "transformer_engine" else "torch"
+    if requested not in GROUPED_GEMM_IMPLS:
+        raise ValueError(f"--moe-grouped-gemm-impl must be one of {GROUPED_GEMM_IMPLS}, got {requested!r}")
+    if requested == "transformer_engine" and transformer_impl != "transformer_engine":
+        raise ValueError("--moe-grouped-gemm-impl transformer_engine needs TransformerEngine's layers "
+                         "(--transformer-impl transformer_engine)")
+    return requested
+
+
+def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
+                       grouped_gemm_impl: str = "transformer_engine") -> TransformerBlockSubmodules:
+    """The decoder-block spec of this rank's stage ``vp_stage`` for ``config.transformer_impl``.
+
+    With TE's layers and ``grouped_gemm_impl="torch"``, grouped experts are
+    :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts` instead of ``TEGroupedMLP``.
+    """
+    if config.transformer_impl != "transformer_engine":
+        return get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
+        block = with_experts(block, grouped_gemm_experts_spec())
+    return block
+
+
+def with_experts(block: TransformerBlockSubmodules, experts) -> TransformerBlockSubmodules:
+    """``block`` with the experts of every MoE layer built by ``experts`` (the rest unchanged)."""
+    layers = []
+    for spec in block.layer_specs:
+        mlp = spec.submodules.mlp
+        if isinstance(mlp, partial) and mlp.func is MoELayer:
+            submodules = dataclasses.replace(mlp.keywords["submodules"], experts=experts)
+            mlp = partial(MoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+        layers.append(spec)
+    return dataclasses.replace(block, layer_specs=layers)

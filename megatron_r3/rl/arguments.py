@@ -14,7 +14,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
-from megatron_r3.layers.transformer_impl import TRANSFORMER_IMPLS
+from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
@@ -55,6 +55,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                             "--moe-grouped-gemm) or Megatron's local modules with megatron_r3's norm, attention "
                             "and grouped experts (every layout, on CPUs too). Default: transformer_engine on "
                             "GPUs where TransformerEngine is installed, else local")
+    model.add_argument("--moe-grouped-gemm-impl", choices=GROUPED_GEMM_IMPLS, default=None,
+                       help="who runs grouped experts with TransformerEngine's layers: TE's TEGroupedMLP (the "
+                            "default: host split sizes, a GEMM set-up per expert on the host) or torch's grouped "
+                            "GEMM with the group offsets on the device (GroupedGemmExperts: no host sync on one "
+                            "expert rank, so the passes can be CUDA graphs); the local layers always use torch's")
     model.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p",
                        help="TransformerEngine attention's context-parallel communication (TE layers only)")
     model.add_argument("--moe-permute-fusion", action="store_true",

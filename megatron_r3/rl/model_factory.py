@@ -16,7 +16,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.layers.transformer_impl import TE_ONLY_FLAGS, decoder_block_spec, resolve_transformer_impl
+from megatron_r3.layers.transformer_impl import (
+    TE_ONLY_FLAGS,
+    decoder_block_spec,
+    resolve_grouped_gemm_impl,
+    resolve_transformer_impl,
+)
 from megatron_r3.rl.arguments import layer_freq
 from megatron_r3.routing_replay import routing_replay_check_kwargs
 
@@ -53,6 +58,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
     """
     transformer_impl = resolve_transformer_impl(
         args.transformer_impl, device, {name: getattr(args, name) for name in TE_ONLY_FLAGS})
+    resolve_grouped_gemm_impl(args.moe_grouped_gemm_impl, transformer_impl)  # refused here, before building
     te_fields = {}
     if transformer_impl == "transformer_engine":
         te_fields = dict(cp_comm_type=args.cp_comm_type, moe_permute_fusion=args.moe_permute_fusion,
@@ -128,11 +134,12 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
 def build_model(args: argparse.Namespace, config: TransformerConfig, device: torch.device) -> list[GPTModel]:
     """This rank's model chunks, one per virtual pipeline stage."""
     vp = config.virtual_pipeline_model_parallel_size
+    grouped_gemm_impl = resolve_grouped_gemm_impl(args.moe_grouped_gemm_impl, config.transformer_impl)
     chunks = []
     for vp_stage in range(vp) if vp else [None]:
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage),
+            transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage, grouped_gemm_impl=grouped_gemm_impl),
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings or args.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

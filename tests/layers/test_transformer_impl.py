@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_r3.layers import transformer_impl
-from megatron_r3.layers.transformer_impl import resolve_transformer_impl
+from megatron_r3.layers.transformer_impl import resolve_grouped_gemm_impl, resolve_transformer_impl, with_experts
 from megatron_r3.rl.arguments import parse_args
 from megatron_r3.rl.model_factory import transformer_config
 
@@ -51,3 +51,31 @@ def test_swiglu_gates_the_experts_and_the_mlps():
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     config = transformer_config(parse_args([]), CPU)
     assert not config.gated_linear_unit and config.activation_func is torch.nn.functional.gelu
+
+
+def test_grouped_experts_are_tes_by_default_with_te_layers_and_torchs_otherwise():
+    assert resolve_grouped_gemm_impl(None, "transformer_engine") == "transformer_engine"
+    assert resolve_grouped_gemm_impl("torch", "transformer_engine") == "torch"
+    assert resolve_grouped_gemm_impl(None, "local") == "torch"
+    with pytest.raises(ValueError, match="needs TransformerEngine's layers"):
+        resolve_grouped_gemm_impl("transformer_engine", "local")
+    with pytest.raises(ValueError, match="needs TransformerEngine's layers"):
+        transformer_config(parse_args(["--moe-grouped-gemm-impl", "transformer_engine"]), CPU)
+
+
+def test_with_experts_swaps_the_experts_of_moe_layers_only():
+    """The block spec of a dense-MoE model with other experts: MoE layers get them, dense ones are unchanged."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_r3.layers.grouped_experts import GroupedGemmExperts
+    from megatron_r3.layers.specs import get_gpt_layer_r3_spec, grouped_gemm_experts_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    dense, moe = get_gpt_layer_r3_spec(), get_gpt_layer_r3_spec(num_experts=4)
+    block = TransformerBlockSubmodules(layer_specs=[dense, moe], layer_norm=None)
+    assert moe.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP
+    swapped = with_experts(block, grouped_gemm_experts_spec())
+    assert swapped.layer_specs[0] is dense
+    experts = swapped.layer_specs[1].submodules.mlp.keywords["submodules"].experts
+    assert experts.func is GroupedGemmExperts
+    assert moe.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP  # the input is unchanged
