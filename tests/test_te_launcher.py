@@ -66,3 +66,21 @@ def test_the_dump_mode_replays_on_te_layers(tmp_path):
     ((result),) = run_workers(train_worker, 1, argv, backend="nccl", timeout=300)
     assert [m["iteration"] for m in result["history"]] == [1, 2]
     assert all(m["routing/replayed_tokens"] > 0 for m in result["history"])
+
+
+def test_te_layers_with_torchs_grouped_experts_train_the_same_with_and_without_graphs():
+    """--moe-grouped-gemm-impl torch: the dispatcher keeps token counts on the device, so the engine's and
+    the trainer's passes over TE's layers replay CUDA graphs, with the eager run's metrics."""
+    from tests.rl.test_forward_graphs import _counting_train_worker
+
+    argv = EMBEDDED + ["--moe-enable-routing-replay", "--moe-grouped-gemm-impl", "torch", "--train-iters", "2",
+                       "--global-batch-size", "4", "--micro-batch-size", "4"]  # one microbatch a pass
+    ((with_graphs, replays),) = run_workers(_counting_train_worker, 1, argv, backend="nccl", timeout=300)
+    ((eager, no_replays),) = run_workers(_counting_train_worker, 1,
+                                         argv + ["--no-rollout-cuda-graphs", "--no-trainer-cuda-graphs"],
+                                         backend="nccl", timeout=300)
+    assert no_replays == {"forward": 0, "update": 0}
+    assert replays["forward"] > 0 and replays["update"] == 2
+    for got, want in zip(with_graphs, eager, strict=True):
+        assert {k: v for k, v in got.items() if k != "routing/host_split_microbatches"} == \
+            {k: v for k, v in want.items() if k != "routing/host_split_microbatches"}
