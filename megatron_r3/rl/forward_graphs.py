@@ -68,6 +68,15 @@ def one_rank_per_replica() -> bool:
     ))
 
 
+def static_padded(params: PackedSeqParams, cu_seqlens: torch.Tensor) -> Optional[torch.Tensor]:
+    """A captured pass's ``cu_seqlens_*_padded``: the same tensor as its ``cu_seqlens`` where the batch's are
+    one tensor (TransformerEngine reads that identity as "no padding between sequences"), else a copy."""
+    padded = params.cu_seqlens_q_padded
+    if padded is None or padded is params.cu_seqlens_q:
+        return None if padded is None else cu_seqlens
+    return padded.clone()
+
+
 def rope_table_length(row_length: int) -> int:
     """The ``max_seqlen`` a graph of packed rows of ``row_length`` tokens is captured with (module docstring)."""
     return row_length + 1
@@ -150,7 +159,7 @@ class _CapturedForward:
         self.position_ids = batch.position_ids.clone()
         self.dead_mask = batch.dead_mask.clone()
         self.cu_seqlens = params.cu_seqlens_q.clone()
-        self.cu_seqlens_padded = None if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded.clone()
+        self.cu_seqlens_padded = static_padded(params, self.cu_seqlens)
         self.batch = _Inputs(self.tokens, self.position_ids, self.dead_mask, PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
             cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,

@@ -39,7 +39,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.transport import PackedRoutes
-from megatron_r3.rl.forward_graphs import graphs_apply, rope_table_length
+from megatron_r3.rl.forward_graphs import graphs_apply, rope_table_length, static_padded
 from megatron_r3.rl.model_pass import LossFn, PassResult, run_pass
 from megatron_r3.rl.training_stack import on_training_stream
 
@@ -125,8 +125,7 @@ class _CapturedUpdate:
         params = batch.packed_seq_params
         table_length = rope_table_length(batch.tokens.shape[-1])  # see forward_graphs
         self.cu_seqlens = params.cu_seqlens_q.clone()
-        padded = params.cu_seqlens_q_padded
-        self.cu_seqlens_padded = None if padded is None else padded.clone()
+        self.cu_seqlens_padded = static_padded(params, self.cu_seqlens)
         static = {name: getattr(batch, name).clone() for name in _BATCH_TENSORS}
         self.batch = dataclasses.replace(batch, **static, packed_seq_params=PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
