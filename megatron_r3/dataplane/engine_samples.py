@@ -1,4 +1,4 @@
-"""Rollout samples from what vLLM and SGLang return: tokens, loss mask, log-probs and routes.
+"""Rollout samples from what the engines return (vLLM, SGLang, Megatron): tokens, loss mask, log-probs, routes.
 
 An RL loop that runs the rollout engine in-process hands the engine's own
 objects to these functions and writes the result with
@@ -23,6 +23,13 @@ so real vLLM objects, SGLang response dicts and look-alikes all work:
   ``prompt_token_ids`` (request ``return_prompt_token_ids=True``) or from
   ``input_token_logprobs`` when it covers the whole prompt (request
   ``logprob_start_len=0``), else the sample is refused.
+
+* Megatron's inference engine (0.19): a finished ``DynamicInferenceRequest`` or a
+  choice of its ``/v1/completions`` response (:func:`megatron_sample`).
+
+vLLM's split layout (``RequestOutput.prompt_routed_experts`` plus per completion
+``routed_experts``) is recognised by the request's ``prompt_routed_experts``
+attribute; a request without it is read in the original layout.
 
 One sample per completion (vLLM ``n > 1``: ``n`` samples): ``token_ids`` =
 prompt + completion, ``loss_mask`` 1 on the completion, ``logprobs[t]`` the
@@ -51,7 +58,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_r3.dataplane.adapters import from_sglang, from_vllm
+from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_vllm, from_vllm_split
 from megatron_r3.dataplane.sample_checks import check_logprobs, logprob_value, loss_number, token_id_array
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
@@ -60,9 +67,14 @@ from megatron_r3.dataplane.validation import RoutingValidationError
 
 def vllm_samples(
     request_output: Any, spec: RoutingSpec, *, rewards: Optional[Sequence[Optional[float]]] = None,
-    vocab_size: Optional[int] = None,
+    vocab_size: Optional[int] = None, prompt_start: int = 0, route_layers: str = "moe",
 ) -> list[RolloutSample]:
     """One sample per completion of a vLLM ``RequestOutput``.
+
+    A request with a ``prompt_routed_experts`` attribute (vLLM's split layout, None or
+    not) is read with :func:`~megatron_r3.dataplane.adapters.from_vllm_split`; one
+    without it with :func:`~megatron_r3.dataplane.adapters.from_vllm` (the original
+    layout).
 
     Args:
         request_output: The ``RequestOutput`` (see the module docstring for the fields read).
@@ -70,6 +82,8 @@ def vllm_samples(
         rewards: Optional reward per completion, in ``request_output.outputs`` order
             (a None entry: no reward for that completion).
         vocab_size: The model's vocabulary, to refuse token ids outside it (None: ids below 2**31).
+        prompt_start: Split layout: the request's ``routed_experts_prompt_start``.
+        route_layers: Split layout: ``"moe"`` (one row per MoE layer) or ``"full"``.
 
     Returns:
         The samples, in ``outputs`` order.
@@ -103,7 +117,12 @@ def vllm_samples(
             )
         generated = _chosen_logprobs(completion.logprobs, token_ids, where, "logprobs", first=len(prompt))
         with _named(request_id):
-            routes = from_vllm(completion, spec, num_tokens=len(prompt) + len(token_ids), sample=index)
+            if hasattr(request_output, "prompt_routed_experts"):
+                routes = from_vllm_split(request_output.prompt_routed_experts, completion.routed_experts, spec,
+                                         prompt_len=len(prompt), completion_len=len(token_ids),
+                                         prompt_start=prompt_start, layers=route_layers, sample=index)
+            else:
+                routes = from_vllm(completion, spec, num_tokens=len(prompt) + len(token_ids), sample=index)
         samples.append(_sample(
             prompt, token_ids, prompt_logprobs, generated, routes,
             _meta("vllm", request_id, index, getattr(completion, "finish_reason", None),
@@ -194,6 +213,72 @@ def sglang_samples(
                       vocab_size=vocab_size)
         for i, response in enumerate(responses)
     ]
+
+
+def megatron_sample(
+    record: Any, spec: RoutingSpec, *, reward: Optional[float] = None, completion_index: int = 0,
+    vocab_size: Optional[int] = None,
+) -> RolloutSample:
+    """The sample of one request of Megatron's inference engine (0.19).
+
+    ``record`` is a finished ``DynamicInferenceRequest`` (``request_id``, ``prompt_tokens``,
+    ``generated_tokens``, ``generated_log_probs``, ``prompt_log_probs``, ``routing_indices``)
+    or a choice of its OpenAI ``/v1/completions`` response as a dict (``prompt_token_ids``,
+    ``generation_token_ids``, ``generation_log_probs``, ``moe_topk_indices``,
+    ``prompt_moe_topk_indices``). Log-probs: one per generated token (required);
+    ``prompt_log_probs`` one per prompt token but the first, else the prompt's are 0.
+
+    Raises:
+        RoutingValidationError: as :func:`vllm_samples`.
+    """
+    def get(*names):
+        for name in names:
+            value = record.get(name) if isinstance(record, dict) else getattr(record, name, None)
+            if value is not None:
+                return value
+        return None
+
+    request_id = get("request_id", "id")
+    where = f"request {request_id!r} sample {completion_index}"
+    prompt = get("prompt_token_ids", "prompt_tokens")
+    if prompt is None or len(prompt) == 0:
+        raise RoutingValidationError(f"{where}: Megatron returned no prompt tokens (prompt_token_ids / prompt_tokens; "
+                                     f"request return_prompt_tokens=True?)")
+    prompt = token_id_array(_as_list(prompt), where, "prompt_token_ids", vocab_size)
+    completion = _completion_ids(_as_list(get("generation_token_ids", "generated_tokens")), where,
+                                 "generation_token_ids", vocab_size)
+    generated = get("generation_log_probs", "generated_log_probs")
+    if generated is None:
+        raise RoutingValidationError(f"{where}: Megatron returned no generation_log_probs (return_log_probs=True?)")
+    generated = _megatron_logprobs(_as_list(generated), len(completion), where, "generation_log_probs", len(prompt))
+    prompt_logprobs = np.zeros(len(prompt), np.float32)
+    prompt_given = get("prompt_log_probs")
+    if prompt_given is not None and len(_as_list(prompt_given)):
+        prompt_logprobs[1:] = _megatron_logprobs(_as_list(prompt_given), len(prompt) - 1, where, "prompt_log_probs", 1)
+    with _named(request_id):
+        routes = from_megatron_inference(get("moe_topk_indices", "routing_indices"), spec,
+                                         num_tokens=len(prompt) + len(completion),
+                                         prompt_routing=get("prompt_moe_topk_indices"), prompt_len=len(prompt),
+                                         sample=completion_index)
+    finish = get("finish_reason")
+    return _sample(prompt, completion, prompt_logprobs, generated, routes,
+                   _meta("megatron", request_id, completion_index, finish, reward, where))
+
+
+def _as_list(values: Any) -> Any:
+    """A tensor's values as a list (Megatron keeps tokens and log-probs as tensors in process)."""
+    return values.tolist() if hasattr(values, "tolist") and not isinstance(values, list) else values
+
+
+def _megatron_logprobs(values: Any, count: int, where: str, field: str, first: int) -> np.ndarray:
+    if not isinstance(values, (list, tuple)) or len(values) != count:
+        raise RoutingValidationError(
+            f"{where}: {field} has {len(values) if isinstance(values, (list, tuple)) else type(values).__name__} "
+            f"entries for {count} tokens"
+        )
+    out = np.array([logprob_value(v, where, f"{field}[{i}]") for i, v in enumerate(values)], np.float32)
+    check_logprobs(out, where, field, first_token=first)
+    return out
 
 
 @contextmanager

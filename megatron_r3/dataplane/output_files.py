@@ -1,6 +1,6 @@
 """Writing a tool's output without destroying a file the tool did not create.
 
-``tools/dump_vllm_rollouts.py``, ``tools/synthetic_rollout_dump.py`` and
+``tools/dump_rollouts.py``, ``tools/synthetic_rollout_dump.py`` and
 ``tools/plot_metrics.py`` write their ``--out`` through :func:`atomic_output`:
 an output that is one of the inputs is refused, an existing one is refused
 unless ``--overwrite`` is given, and the file is written under a temporary

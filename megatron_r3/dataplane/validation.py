@@ -17,6 +17,14 @@ class RoutingValidationError(ValueError):
     """Routing data that does not fit the model or the sample."""
 
 
+# A router's top-k never names an expert twice, so such a row was not written by a router.
+REPEATED_CAUSE = (
+    "; a top-k never repeats an expert: such rows are usually rows the engine zero-filled because its "
+    "capture never ran (vLLM v0.26.0 with FlashInfer's monolithic MoE returned all-zero routes, vllm "
+    "#54730; see also vllm #44116), or ids decoded with the wrong dtype"
+)
+
+
 def _where(sample: Optional[int]) -> str:
     return "" if sample is None else f"sample {sample}: "
 
@@ -81,7 +89,7 @@ def validate_routes(
         # tokens without a route here, and whatever they wrap to is masked out below.
         small = unsigned.astype(np.uint8 if num_experts <= 256 else np.uint16, copy=False)
         repeated = _repeated_in_row(small) & valid[:, None]
-        _raise_first(repeated, ids, layer_numbers, where, "repeated expert id in one token's row")
+        _raise_first(repeated, ids, layer_numbers, where, "repeated expert id in one token's row", REPEATED_CAUSE)
 
 
 def token_validity(
@@ -118,11 +126,12 @@ def _repeated_in_row(ids: np.ndarray) -> np.ndarray:
     return repeated
 
 
-def _raise_first(bad: np.ndarray, ids: np.ndarray, layer_numbers: Sequence[int], where: str, what: str) -> None:
+def _raise_first(bad: np.ndarray, ids: np.ndarray, layer_numbers: Sequence[int], where: str, what: str,
+                 cause: str = "") -> None:
     if not bad.any():
         return
     token, layer = np.argwhere(bad)[0]
     raise RoutingValidationError(
         f"{where}token {token}, layer {layer_numbers[layer]}: {what}: {ids[token, layer].tolist()} "
-        f"({int(bad.sum())} bad rows in total)"
+        f"({int(bad.sum())} bad rows in total){cause}"
     )

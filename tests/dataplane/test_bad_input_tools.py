@@ -23,7 +23,7 @@ from megatron_r3.dataplane.rollout_dump import RolloutDumpError
 from megatron_r3.dataplane.sample_checks import SampleValueError
 from megatron_r3.dataplane.samples import RolloutSample
 from tests.support.planted import snapshot, unchecked_writer
-from tests.dataplane.test_dump_vllm_rollouts import (
+from tests.dataplane.test_dump_rollouts import (
     MODEL_FLAGS,
     SPEC,
     make_truth,
@@ -31,8 +31,8 @@ from tests.dataplane.test_dump_vllm_rollouts import (
     vllm_request,
     write_jsonl,
 )
-from tools import dump_vllm_rollouts, plot_metrics, synthetic_rollout_dump
-from tools.dump_vllm_rollouts import request_output_to_json
+from tools import dump_rollouts, plot_metrics, synthetic_rollout_dump
+from tools.dump_rollouts import request_output_to_json
 
 
 def vllm_line(seed=0):
@@ -57,7 +57,7 @@ def convert(tmp_path, engine, records=None, raw=None, *flags):
         write_jsonl(source, records)
     (tmp_path / "other.txt").write_text("a file that is not the tool's")
     before = snapshot(tmp_path)
-    status = dump_vllm_rollouts.main(["--engine", engine, "--input", str(source), "--out",
+    status = dump_rollouts.main(["--engine", engine, "--input", str(source), "--out",
                                       str(tmp_path / "out.r3dump"), *MODEL_FLAGS, *flags])
     return status, before, snapshot(tmp_path)
 
@@ -189,7 +189,7 @@ def test_malformed_engine_line_is_refused_naming_line_sample_and_field(tmp_path,
     err = capsys.readouterr().err
     assert status == 1
     assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
-    assert err.startswith(f"dump_vllm_rollouts: error: {tmp_path / 'in.jsonl'} line 1: ")
+    assert err.startswith(f"dump_rollouts: error: {tmp_path / 'in.jsonl'} line 1: ")
     assert re.search(message, err), err
     assert before == after  # no output, no temporary file, the input as it was
 
@@ -220,14 +220,14 @@ def test_dump_tool_never_writes_over_its_input_or_an_existing_dump(tmp_path, cap
                          (old, f"--out {old} exists: pass --overwrite to replace it"),
                          (tmp_path, f"--out {tmp_path} is a folder"),
                          (tmp_path / "missing" / "x.r3dump", "the folder")]:
-        assert dump_vllm_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(out), *model]) == 1
+        assert dump_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(out), *model]) == 1
         assert message in capsys.readouterr().err
         assert snapshot(tmp_path) == before
     # Even --overwrite never writes over the input.
-    assert dump_vllm_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(source), "--overwrite",
+    assert dump_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(source), "--overwrite",
                                     *model]) == 1
     assert snapshot(tmp_path) == before
-    assert dump_vllm_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(old), "--overwrite",
+    assert dump_rollouts.main(["--engine", "vllm", "--input", str(source), "--out", str(old), "--overwrite",
                                     *model]) == 0
     with RolloutDumpReader(old) as reader:
         assert len(reader) == 2 and reader.finished
@@ -242,7 +242,7 @@ def test_failed_conversion_keeps_the_existing_dump(tmp_path, capsys):
     write_jsonl(tmp_path / "in.jsonl", [good, bad])
     (tmp_path / "out.r3dump").write_bytes(b"the previous dump")
     before = snapshot(tmp_path)
-    assert dump_vllm_rollouts.main(["--engine", "vllm", "--input", str(tmp_path / "in.jsonl"), "--out",
+    assert dump_rollouts.main(["--engine", "vllm", "--input", str(tmp_path / "in.jsonl"), "--out",
                                     str(tmp_path / "out.r3dump"), "--overwrite", *MODEL_FLAGS]) == 1
     assert "line 2: request 'q' sample 0: reward = nan is not finite" in capsys.readouterr().err
     assert snapshot(tmp_path) == before
@@ -520,7 +520,7 @@ def test_repeated_requests_in_jsonl_are_warned_of_with_their_lines(tmp_path, cap
     status, _, _ = convert(tmp_path, "vllm", [first, other, first, first])
     captured = capsys.readouterr()
     assert status == 0, captured.err
-    assert ("dump_vllm_rollouts: warning: " + str(tmp_path / "in.jsonl") + ": 4 samples repeat the request id and "
+    assert ("dump_rollouts: warning: " + str(tmp_path / "in.jsonl") + ": 4 samples repeat the request id and "
             "completion index of an earlier one: request \"q\" completion 0 (lines 1 and 3), request \"q\" completion "
             "1 (lines 1 and 3), request \"q\" completion 0 (lines 1 and 4), ...; each is in the dump as often as it "
             "appears") in captured.err

@@ -1,6 +1,6 @@
-"""Turn saved vLLM or SGLang rollouts (JSONL) into a megatron-r3 rollout dump.
+"""Turn saved vLLM, SGLang or Megatron-inference rollouts (JSONL) into a megatron-r3 rollout dump.
 
-    python tools/dump_vllm_rollouts.py --engine vllm --input rollouts.jsonl --out rollouts.r3dump \\
+    python tools/dump_rollouts.py --engine vllm --input rollouts.jsonl --out rollouts.r3dump \\
         --num-layers 48 --moe-layer-freq 1 --num-experts 128 --moe-router-topk 8
 
 The dump is what ``launch/pretrain_gpt_r3.py --rollout-dump`` trains on with
@@ -39,7 +39,17 @@ Input, one JSON object per line:
   bytes, base64) or nested lists; null when the engine returned none (refused);
 * ``reward`` (per completion) is optional; any other field is ignored.
 
-:func:`request_output_to_json` writes this form from a real ``RequestOutput``.
+vLLM's split layout (``AuxOutputConfig(enable_return_routed_experts=True)``): the
+request also has ``"prompt_routed_experts"`` (``[prompt_len - start, num_moe_layers,
+topk]``, int16 or uint8, same array forms; the key present, even null, selects this
+layout) and optionally ``"routed_experts_prompt_start"`` (the request's
+``SamplingParams.routed_experts_prompt_start``, default 0); each completion's
+``routed_experts`` is ``[gen_len - 1, num_moe_layers, topk]``. A request without the
+``prompt_routed_experts`` key is read in the original layout above, whatever its
+arrays' shapes. ``--vllm-route-layers full`` reads split-layout arrays that keep
+every decoder layer.
+
+:func:`request_output_to_json` writes either form from a real ``RequestOutput``.
 
 ``--engine sglang``: one prompt's ``/generate`` result (server
 ``--enable-return-routed-experts``, request ``return_logprob=True``,
@@ -56,12 +66,32 @@ Input, one JSON object per line:
 * ``response`` is the server's JSON as returned: one response dict, or the list
   of ``n`` response dicts it returns for ``sampling_params.n > 1`` (then ``reward``,
   if given, is a list of ``n``);
+* ``meta_info`` may carry ``routed_experts_dtype`` (``int32``, ``uint16``, ``uint8``: the
+  compact wire format of sglang #31219; int32 when absent) and ``routed_experts_start_len``
+  (the request's: the routes start at that token, earlier ones have none);
 * ``input_ids`` is the request's prompt token ids. SGLang does not return them
   unless asked: without ``input_ids`` the prompt comes from the response's
   ``prompt_token_ids`` (request ``return_prompt_token_ids=True``) or from
   ``input_token_logprobs`` when it covers the whole prompt (``logprob_start_len=0``);
   otherwise the line is refused. ``input_token_logprobs`` covering only the end of
   the prompt (``logprob_start_len > 0``) gives those tokens' log-probs, the others are 0.
+
+``--engine megatron``: Megatron's inference engine (0.19), one ``/v1/completions``
+response of its text-generation server, or one finished request as serialised::
+
+    {"response": {"id": "...", "choices": [{"index": 0,
+                   "prompt_token_ids": [...], "generation_token_ids": [...],
+                   "generation_log_probs": [-0.31, ...],
+                   "moe_topk_indices": [[[3, 17], ...], ...],
+                   "prompt_moe_topk_indices": [...], "finish_reason": "length"}]},
+     "reward": [1.0]}
+
+* ``moe_topk_indices`` is ``routing_indices``, int32 ``[T - 1, num_moe_layers, topk]``, as
+  nested lists, ``{"data", "dtype"}`` or ``["ndarray", {"data", "dtype"}]`` (Megatron's
+  serialised array); ``prompt_moe_topk_indices`` is optional and checked against it;
+* ``response`` without ``choices`` is one choice or one serialised request
+  (``prompt_tokens``, ``generated_tokens``, ``generated_log_probs``, ``routing_indices``);
+  ``reward`` is a number, or a list with one per choice.
 
 Progress goes to stderr every ``--log-interval`` samples (samples, tokens, the
 fraction of tokens with a route). Refused, with the input line, the request, the
@@ -88,7 +118,7 @@ from typing import Any, Iterator, Optional, TextIO
 import numpy as np
 
 from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.engine_samples import sglang_samples, vllm_samples
+from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_samples, vllm_samples
 from megatron_r3.dataplane.output_files import atomic_output
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
@@ -107,6 +137,7 @@ def request_output_to_json(request_output: Any, rewards: Optional[list] = None) 
         rewards: Optional reward per completion, in ``outputs`` order.
     """
     outputs = []
+    split = hasattr(request_output, "prompt_routed_experts")
     for i, completion in enumerate(request_output.outputs):
         out = {
             "index": completion.index,
@@ -119,16 +150,21 @@ def request_output_to_json(request_output: Any, rewards: Optional[list] = None) 
             out["reward"] = rewards[i]
         outputs.append(out)
     prompt_logprobs = request_output.prompt_logprobs
-    return {
+    out = {
         "request_id": request_output.request_id,
         "prompt_token_ids": [int(t) for t in request_output.prompt_token_ids],
         "prompt_logprobs": None if prompt_logprobs is None else [_positions_json(p) for p in prompt_logprobs],
         "outputs": outputs,
     }
+    if split:
+        prompt_routes = request_output.prompt_routed_experts
+        out["prompt_routed_experts"] = None if prompt_routes is None else _array_json(prompt_routes)
+    return out
 
 
-def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
-    """The samples of one ``--engine vllm`` line (a parsed JSON object)."""
+def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
+                      route_layers: str = "moe") -> list[RolloutSample]:
+    """The samples of one ``--engine vllm`` line (a parsed JSON object), in either vLLM layout."""
     request = SimpleNamespace(
         request_id=record.get("request_id"),
         prompt_token_ids=_field(record, "prompt_token_ids", "vLLM request", list),
@@ -152,10 +188,19 @@ def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int]
             finish_reason=out.get("finish_reason"),
         ))
         rewards.append(out.get("reward"))
-    return vllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size)
+    prompt_start = 0
+    if "prompt_routed_experts" in record:  # vLLM's split layout, told by the field, not by shapes
+        request.prompt_routed_experts = _array(record["prompt_routed_experts"], "prompt_routed_experts")
+        prompt_start = record.get("routed_experts_prompt_start", 0)
+        if isinstance(prompt_start, bool) or not isinstance(prompt_start, int):
+            raise InputLineError(f"vLLM request {request.request_id!r}: 'routed_experts_prompt_start' must be an "
+                                 f"integer, got {_json_type(prompt_start)}")
+    return vllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size, prompt_start=prompt_start,
+                        route_layers=route_layers)
 
 
-def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
+def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
+                        route_layers: str = "moe") -> list[RolloutSample]:
     """The samples of one ``--engine sglang`` line (a parsed JSON object)."""
     response = _field(record, "response", "SGLang line", (dict, list))
     responses = response if isinstance(response, list) else [response]
@@ -164,12 +209,40 @@ def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[in
     return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards, vocab_size=vocab_size)
 
 
-LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples}
+def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
+                          route_layers: str = "moe") -> list[RolloutSample]:
+    """The samples of one ``--engine megatron`` line (a parsed JSON object)."""
+    response = _field(record, "response", "Megatron line", dict)
+    if "choices" in response:
+        choices = _field(response, "choices", "Megatron response", list)
+        if not choices:
+            raise InputLineError(f"Megatron response {response.get('id')!r} has no choices")
+    else:
+        choices = [response]
+    reward = record.get("reward")
+    rewards = reward if isinstance(reward, list) else [reward] * len(choices)
+    if len(rewards) != len(choices):
+        raise InputLineError(f"{len(rewards)} rewards for {len(choices)} Megatron choices")
+    samples = []
+    for position, (choice, choice_reward) in enumerate(zip(choices, rewards)):
+        if not isinstance(choice, dict):
+            raise InputLineError(f"Megatron choices[{position}] must be a JSON object, got {_json_type(choice)}")
+        if "id" in response and "request_id" not in choice:
+            choice = {**choice, "request_id": response["id"]}
+        index = choice.get("index", position)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InputLineError(f"Megatron choices[{position}].index must be an integer, got {_json_type(index)}")
+        samples.append(megatron_sample(choice, spec, reward=choice_reward, completion_index=index,
+                                       vocab_size=vocab_size))
+    return samples
+
+
+LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples, "megatron": megatron_line_samples}
 
 
 def dump_jsonl(
     input_path: str, out_path: str, engine: str, spec: RoutingSpec, *, vocab_size: Optional[int] = None,
-    overwrite: bool = False, log_interval: int = 1000, log: TextIO = sys.stderr,
+    overwrite: bool = False, log_interval: int = 1000, log: TextIO = sys.stderr, route_layers: str = "moe",
 ) -> dict:
     """Converts a JSONL file into a rollout dump; returns counts.
 
@@ -180,6 +253,7 @@ def dump_jsonl(
     Args:
         vocab_size: The model's vocabulary: token ids outside it are refused (None: ids below 2**31).
         overwrite: Replace an existing ``out_path`` (refused by default).
+        route_layers: vLLM's split layout: ``"moe"`` (one row per MoE layer) or ``"full"``.
 
     Returns:
         ``{"requests", "samples", "tokens", "routed_tokens", "repeated"}`` (``repeated``: samples whose
@@ -200,7 +274,7 @@ def dump_jsonl(
                                layer_numbers=spec.model_moe_layers) as writer:
             for number, record in _records(input_path):
                 try:
-                    samples = read_line(record, spec, vocab_size)
+                    samples = read_line(record, spec, vocab_size, route_layers)
                     for sample in samples:
                         writer.write(sample)
                 except ValueError as error:
@@ -219,13 +293,13 @@ def dump_jsonl(
                     counts["tokens"] += len(sample.token_ids)
                     counts["routed_tokens"] += int(sample.routes.valid.sum())
                     if log_interval and counts["samples"] % log_interval == 0:
-                        print(f"dump_vllm_rollouts: {_summary(counts)}", file=log, flush=True)
+                        print(f"dump_rollouts: {_summary(counts)}", file=log, flush=True)
             if counts["samples"] == 0:
                 raise InputLineError(f"{input_path} holds no request: a dump without samples trains nothing")
     if repeats:
         shown = ", ".join(f"request {rid} completion {index} (lines {was} and {now})"
                           for (rid, index), was, now in repeats[:3])
-        print(f"dump_vllm_rollouts: warning: {input_path}: {len(repeats)} samples repeat the request id and "
+        print(f"dump_rollouts: warning: {input_path}: {len(repeats)} samples repeat the request id and "
               f"completion index of an earlier one: {shown}{', ...' if len(repeats) > 3 else ''}; each is in the "
               f"dump as often as it appears", file=log, flush=True)
     counts["repeated"] = len(repeats)
@@ -338,7 +412,8 @@ def _array_json(array: Any) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=sorted(LINE_READERS), required=True)
-    parser.add_argument("--input", required=True, help="JSONL file, one request (vllm) or prompt (sglang) a line")
+    parser.add_argument("--input", required=True,
+                        help="JSONL file, one request (vllm), prompt (sglang) or response (megatron) a line")
     parser.add_argument("--out", required=True, help="the rollout dump to write (not the input; see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--num-layers", type=int, required=True, help="decoder layers of the model")
@@ -347,6 +422,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-router-topk", type=int, required=True)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="refuse token ids outside [0, vocab-size) (default: only ids >= 2**31)")
+    parser.add_argument("--vllm-route-layers", choices=("moe", "full"), default="moe",
+                        help="vLLM's split layout: one route row per MoE layer (vLLM's default) or per decoder layer")
     parser.add_argument("--log-interval", type=int, default=1000, help="progress every this many samples (0: off)")
     args = parser.parse_args(argv)
     if args.vocab_size is not None and args.vocab_size < 1:
@@ -361,9 +438,10 @@ def main(argv=None) -> int:
         parser.error(str(error))
     try:
         counts = dump_jsonl(args.input, args.out, args.engine, spec, vocab_size=args.vocab_size,
-                            overwrite=args.overwrite, log_interval=args.log_interval, log=sys.stderr)
+                            overwrite=args.overwrite, log_interval=args.log_interval, log=sys.stderr,
+                            route_layers=args.vllm_route_layers)
     except (ValueError, OSError) as error:  # InputLineError, OutputFileError, an unreadable input
-        print(f"dump_vllm_rollouts: error: {error}", file=sys.stderr)
+        print(f"dump_rollouts: error: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {_summary(counts)}")
     return 0

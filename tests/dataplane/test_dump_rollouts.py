@@ -21,7 +21,7 @@ from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.engine_samples import sglang_sample, sglang_samples, vllm_samples
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.validation import RoutingValidationError
-from tools.dump_vllm_rollouts import main, request_output_to_json
+from tools.dump_rollouts import main, request_output_to_json
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dense-first: layers 1 and 3 are dense, 2 and 4 are MoE (--moe-layer-freq 0,1,0,1).
@@ -301,14 +301,14 @@ def test_cli_vllm_jsonl_as_a_subprocess(tmp_path):
     records[1]["outputs"][0]["routed_experts"] = requests[1].outputs[0].routed_experts.tolist()  # nested-list form
     out = tmp_path / "out.r3dump"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "dump_vllm_rollouts.py"), "--engine", "vllm",
+        [sys.executable, str(ROOT / "tools" / "dump_rollouts.py"), "--engine", "vllm",
          "--input", str(write_jsonl(tmp_path / "in.jsonl", records)), "--out", str(out), "--log-interval", "2",
          *MODEL_FLAGS],
         capture_output=True, text=True, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout and "6 samples from 3 requests" in proc.stdout
-    assert "dump_vllm_rollouts: 2 samples from 1 requests" in proc.stderr  # progress
+    assert "dump_rollouts: 2 samples from 1 requests" in proc.stderr  # progress
     with RolloutDumpReader(out) as reader:
         back = list(reader)
     expected = [s for r in requests for s in vllm_samples(r, SPEC, rewards=[1.0, 0.0])]
