@@ -19,11 +19,10 @@ from tests.support.harness import (
     full_grads,
     full_token_losses,
     router_margins,
-    routes,
 )
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
-from tests.support.replay_layouts import random_forced_routes, run_replay_layout
+from tests.support.replay_layouts import random_forced_routes, run_replay_layout, taken_and_recorded
 from tests.support.routes import full_routes
 from tests.test_layouts import (
     BSHD_DATA,
@@ -44,12 +43,7 @@ THD_FORCED = random_forced_routes(MODEL, THD_DATA.num_tokens, 12, NO_ROUTE_EVERY
 
 
 def _taken_and_recorded(results, data):
-    taken = routes(results, data.num_tokens, MODEL.topk)
-    recorded = full_routes([r["recorded"] for r in results], data.num_tokens, MODEL.topk)
-    assert recorded.keys() == taken.keys()
-    for layer in taken:
-        assert torch.equal(recorded[layer], taken[layer]), f"layer {layer}: R2 recording differs"
-    return taken
+    return taken_and_recorded(results, data.num_tokens, MODEL.topk)
 
 
 def _reference(result, data, forced):

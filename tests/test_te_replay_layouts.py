@@ -23,11 +23,10 @@ import torch
 
 from megatron_r3.layers.transformer_impl import transformer_engine_installed
 from tests.support.batches import make_sequences
-from tests.support.harness import Step, full_grads, full_token_losses, routes
+from tests.support.harness import Step, assert_grads_match, full_grads, full_token_losses
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
-from tests.support.replay_layouts import random_forced_routes, run_replay_layout
-from tests.support.routes import full_routes
+from tests.support.replay_layouts import random_forced_routes, run_replay_layout, taken_and_recorded
 from tests.support.tiny_moe import TinyMoE
 
 pytestmark = [
@@ -60,19 +59,9 @@ def _run(layout, data, step, forced, host_counts=False):
                        backend="nccl", timeout=300)
 
 
-def _taken(results, data):
-    """The experts each token took (router hooks), checked against what the MoERoutings recorded."""
-    taken = routes(results, data.num_tokens, MODEL.topk)
-    recorded = full_routes([r["recorded"] for r in results], data.num_tokens, MODEL.topk)
-    assert recorded.keys() == taken.keys()
-    for layer in taken:
-        assert torch.equal(recorded[layer], taken[layer]), f"layer {layer}: the recording differs from the routes taken"
-    return taken
-
-
 def _result(results, data, forced):
     """Losses and gradients of a run, after checking that every token took its forced experts."""
-    taken = _taken(results, data)
+    taken = taken_and_recorded(results, data.num_tokens, MODEL.topk)
     assert sorted(taken) == sorted(forced)
     for layer, experts in forced.items():
         assert torch.equal(taken[layer], experts.sort(dim=-1).values), f"layer {layer}: forced experts not taken"
@@ -91,15 +80,7 @@ def _assert_close(result, reference):
     far = (errors > LOSS_ATOL).nonzero().flatten()
     assert far.numel() == 0, (f"per-token loss error {errors.max().item():.3g}; {far.numel()} of {errors.numel()} "
                               f"tokens beyond {LOSS_ATOL}, the first: {far[:16].tolist()}")
-    grads, ref_grads = result[1], reference[1]
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        scale = ref.abs().max().item()
-        if scale == 0:
-            assert not grads[name].any(), f"{name}: gradient where the reference has none"
-            continue
-        err = (grads[name] - ref).abs().max().item() / scale
-        assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.3g}"
+    assert_grads_match(result[1], reference[1], GRAD_RTOL)
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,7 @@ import numpy as np
 from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_samples, vllm_samples
 from megatron_r3.dataplane.output_files import atomic_output
+from megatron_r3.dataplane.jsonl import json_line
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
@@ -316,17 +317,9 @@ def _records(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line."""
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError
         for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise InputLineError(f"{path} line {number}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
-                                     f"{error.start + 1}): the input must be JSONL") from None
-            if not line.strip():
+            record = json_line(raw, f"{path} line {number}", InputLineError)
+            if record is None:
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InputLineError(f"{path} line {number}: not JSON ({error})") from None
             if not isinstance(record, dict):
                 raise InputLineError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
             yield number, record

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+from megatron_r3.dataplane.jsonl import json_line
+
 METRICS_FILE_MODES = ("new", "append", "overwrite", "resume")
 
 
@@ -74,21 +76,13 @@ def read_metrics_lines(path: str) -> MetricsLines:
                 cut_line = number  # only the last line can lack its newline
                 break
             where = f"--metrics-file {path} line {number}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise MetricsFileError(f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column "
-                                       f"{error.start + 1})") from None
-            if not text.strip():
+            record = json_line(raw, where, MetricsFileError)
+            if record is None:
                 continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise MetricsFileError(f"{where}: not JSON ({error})") from None
             iteration = record.get("iteration") if isinstance(record, dict) else None
             if isinstance(iteration, bool) or not isinstance(iteration, int):
                 raise MetricsFileError(f"{where}: a JSON object with an integer 'iteration' is expected, got "
-                                       f"{text.strip()[:80]!r}")
+                                       f"{raw.decode().strip()[:80]!r}")
             iterations.append(iteration)
             ends.append(offset)
     return MetricsLines(iterations, ends, cut_line)

@@ -19,9 +19,9 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_r3.dataplane.expert_counts import ExpertCountExchange
 from megatron_r3.routing_replay import chunk_moe_layers, moe_routing_for_chunk
-from tests.support.harness import Step, run_layout
+from tests.support.harness import Step, routes, run_layout
 from tests.support.parallel import Layout
-from tests.support.routes import router_token_index
+from tests.support.routes import full_routes, router_token_index
 from tests.support.schedule import loss_func
 
 
@@ -152,3 +152,14 @@ def _recorded_routes(recordings) -> dict:
             experts = recorded[row][real].sort(dim=-1).values
             out.setdefault(layer_number - 1, []).append((token_index[real], experts))
     return out
+
+
+def taken_and_recorded(results: list[dict], num_tokens: int, topk: int) -> dict:
+    """The experts each token took (router hooks), ``{layer: [num_tokens, k]}``, after checking that
+    every MoERouting recorded exactly those (R2)."""
+    taken = routes(results, num_tokens, topk)
+    recorded = full_routes([r["recorded"] for r in results], num_tokens, topk)
+    assert recorded.keys() == taken.keys()
+    for layer in taken:
+        assert torch.equal(recorded[layer], taken[layer]), f"layer {layer}: the recording differs from the routes taken"
+    return taken
