@@ -8,7 +8,7 @@ engine (``megatron_r3.rl.rollout_engine``: the policy's weights in bf16, lagging
 ``--rollout-staleness`` optimizer steps) completes ``--global-batch-size /
 --rollouts-per-prompt`` prompts of a built-in task (``megatron_r3.rl.tasks``) and
 records the routes it took and the log-probs of its tokens; the task scores the
-completions; the trainer (``megatron_r3.rl.policy_trainer``, fp32) replays the
+completions; the trainer (``megatron_r3.rl.policy_trainer``) replays the
 engine's routes on every MoE layer and takes a step on the clipped
 policy-gradient loss with group-normalised advantages (GRPO). ``--r3-compare``
 (on by default here) runs one more forward-only pass without replay, so every
@@ -28,8 +28,8 @@ the trainer routes live. Every ``--log-interval`` iterations the last rank
 prints a progress line and appends the metrics (``megatron_r3.rl.train_metrics``)
 to ``--metrics-file``. Flags follow Megatron's names; every model and layout
 flag has a small default (all parallel sizes 1, so ``--nproc-per-node 2`` is
-data-parallel size 2). Layers come from ``megatron_r3.layers.specs`` (no
-TransformerEngine needed). ``--save``/``--save-interval`` write checkpoints
+data-parallel size 2). Layers are Megatron's TransformerEngine specs on GPUs where TE is
+installed (bf16), the local ``megatron_r3.layers.specs`` elsewhere (``--transformer-impl``). ``--save``/``--save-interval`` write checkpoints
 (``megatron_r3.rl.checkpointing``: weights, optimizer, learning-rate schedule, the engine's
 lagging weights, data position, RNG) and ``--load`` resumes from the latest one, under
 any layout.
@@ -59,6 +59,10 @@ if __name__ == "__main__":
 
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
+
+from megatron_r3.known_warnings import filter_known_warnings  # noqa: E402
+
+filter_known_warnings()  # before Megatron's imports, which print most of them
 
 import torch.distributed as dist  # noqa: E402
 
