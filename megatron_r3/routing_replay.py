@@ -4,7 +4,7 @@ The data plane produces, per microbatch and per model chunk, an int64 device ten
 ``expert_ids [num_local_moe_layers, num_local_tokens, topk]`` (rows of all -1: no route)
 and the ``layer_numbers`` its dim 0 follows. A forward step wraps it for the model chunk it
 runs, on every pipeline stage (stages without input ids still route their own layers), and
-hands it to the model through GPTModel's ``extra_block_kwargs``:
+hands it to the model through ``extra_block_kwargs`` (GPTModel and HybridModel take it alike):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 
-def _gpt_model(model_chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
+def _language_model(model_chunk):
+    """The GPTModel or HybridModel inside DDP / Float16Module wrappers."""
     module = model_chunk
     while not hasattr(module, "decoder") and hasattr(module, "module"):
         module = module.module
@@ -45,8 +45,9 @@ def _gpt_model(model_chunk):
 
 
 def chunk_moe_layers(model_chunk) -> list:
-    """The MoE layers a model chunk builds: global 1-based layer numbers, increasing."""
-    return _gpt_model(model_chunk).decoder.moe_layer_numbers
+    """The MoE layers a model chunk (GPTModel or HybridModel) builds: global 1-based layer numbers,
+    increasing. MTP layers are not included: the routes of a chunk cover its decoder's MoE layers."""
+    return _language_model(model_chunk).decoder.moe_layer_numbers
 
 
 def moe_routing_for_chunk(
@@ -68,7 +69,7 @@ def moe_routing_for_chunk(
     CPU, or with the config's ``moe_routing_replay_check_values``).
 
     Args:
-        model_chunk: the (possibly wrapped) GPTModel chunk the forward step runs.
+        model_chunk: the (possibly wrapped) GPTModel or HybridModel chunk the forward step runs.
         expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` routes, or None
             to route live (the routes taken are recorded either way).
         layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
@@ -86,7 +87,7 @@ def moe_routing_for_chunk(
     moe_layers = chunk_moe_layers(model_chunk)
     if expert_ids is not None:
         layer_numbers = _check_replay_arguments(
-            _gpt_model(model_chunk), moe_layers, expert_ids, layer_numbers, every_token_routed,
+            _language_model(model_chunk), moe_layers, expert_ids, layer_numbers, every_token_routed,
             host_tokens_per_expert,
         )
         if layer_numbers != moe_layers:

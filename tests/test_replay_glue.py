@@ -12,7 +12,7 @@ from megatron_r3.routing_replay import (
     routing_replay_check_kwargs,
     routing_replay_config_kwargs,
 )
-from tests.support.replay import init_single_rank, make_config, make_model, random_routes
+from tests.support.replay import init_single_rank, make_config, make_hybrid_model, make_model, random_routes
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,18 @@ class Wrapper(torch.nn.Module):
 def test_chunk_layers_through_wrappers(model):
     assert chunk_moe_layers(model) == [2, 3, 4]
     assert chunk_moe_layers(Wrapper(Wrapper(model))) == [2, 3, 4]
+
+
+def test_a_hybrid_model_chunk_gets_routes_for_its_moe_layers():
+    init_single_rank()
+    hybrid = make_hybrid_model(make_config(), "*E-E")
+    assert chunk_moe_layers(Wrapper(hybrid)) == [2, 4]
+    ids = random_routes(4, 8)
+    routing = moe_routing_for_chunk(Wrapper(hybrid), ids, layer_numbers=[1, 2, 3, 4])
+    assert routing.layer_numbers == [2, 4]
+    assert torch.equal(routing.expert_ids, ids[[1, 3]])
+    with pytest.raises(ValueError, match=r"lacks MoE layers \[4\] of this chunk"):
+        moe_routing_for_chunk(hybrid, ids[:2], layer_numbers=[1, 2])
 
 
 def test_routes_for_more_layers_are_cut_to_the_chunk(model):

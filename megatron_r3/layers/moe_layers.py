@@ -4,7 +4,8 @@ Layer numbers here are Megatron's: global and 1-based, as
 ``TransformerLayer.layer_number``. Dense layers have no router, so they have no
 routes; a routing container keeps one row per MoE layer only. Which layers a
 chunk builds is Megatron's own answer (``get_transformer_layer_offset``,
-``get_num_layers_to_build``), asked for any pipeline rank.
+``get_num_layers_to_build``), asked for any pipeline rank. A HybridModel's layers come
+from its layer pattern instead (``*E-E``: ``E`` layers are MoE; ``|`` splits stages).
 """
 
 from __future__ import annotations
@@ -54,18 +55,36 @@ def model_moe_layers(num_layers: int, moe_layer_freq: Union[int, Sequence[int]])
     return tuple(i + 1 for i, is_moe in enumerate(moe_layer_pattern(num_layers, moe_layer_freq)) if is_moe)
 
 
-def chunk_layers(config: TransformerConfig, pp_rank: Optional[int] = None, vp_stage: Optional[int] = None) -> range:
+def hybrid_moe_layers(hybrid_layer_pattern: str) -> tuple[int, ...]:
+    """A HybridModel's MoE layers: the global 1-based numbers of the ``E`` layers of its main
+    pattern, increasing (``|`` splits take no number; MTP layers after ``/`` are excluded)."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    main = (parse_hybrid_pattern(hybrid_layer_pattern).main_pattern or "").replace(Symbols.PIPE, "")
+    return tuple(i + 1 for i, symbol in enumerate(main) if symbol == Symbols.MOE)
+
+
+def chunk_layers(
+    config: TransformerConfig,
+    pp_rank: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+    hybrid_layer_pattern: Optional[str] = None,
+) -> range:
     """Global 1-based numbers of the decoder layers (dense and MoE) model chunk (pp_rank, vp_stage) builds.
 
     Megatron's own ``get_transformer_layer_offset`` and ``get_num_layers_to_build``,
     the functions that build the chunk, called with an explicit ``pp_rank`` so that
-    any chunk can be asked about without the parallel state.
+    any chunk can be asked about without the parallel state. For a HybridModel whose
+    pattern has ``|`` splits, the chunk is the pattern's segment ``vp_stage * pp + pp_rank``
+    (how Megatron's ``select_pipeline_segment`` picks it, which reads the rank from a process
+    group); a pattern without splits is cut like a GPT decoder of as many layers.
 
     Args:
         config: The model's ``TransformerConfig`` (its pipeline split: even, uneven
             first/last stage, interleaved virtual stages, a custom layout).
         pp_rank: Pipeline rank; defaults to this process's (Megatron's parallel state).
         vp_stage: Virtual pipeline stage; required with interleaving.
+        hybrid_layer_pattern: The HybridModel's layer pattern; None for a GPTModel.
     """
     # Imported here: the rollout tools import this module and run without Megatron.
     from megatron.core.transformer.enums import LayerType
@@ -77,6 +96,8 @@ def chunk_layers(config: TransformerConfig, pp_rank: Optional[int] = None, vp_st
         raise ValueError(f"pp_rank {pp_rank} outside [0, {pp})")
     if vp_stage is not None and not 0 <= vp_stage < (vp or 1):
         raise ValueError(f"vp_stage {vp_stage} outside [0, {vp or 1})")
+    if hybrid_layer_pattern is not None and "|" in hybrid_layer_pattern.split("/")[0]:
+        return _hybrid_segment_layers(hybrid_layer_pattern, pp, vp_stage, pp_rank)
     layout = config.pipeline_model_parallel_layout
     if layout is not None:
         # Megatron's two functions drop pp_rank for a custom layout and read this process's;
@@ -87,6 +108,24 @@ def chunk_layers(config: TransformerConfig, pp_rank: Optional[int] = None, vp_st
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
         count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return range(offset + 1, offset + count + 1)
+
+
+def _hybrid_segment_layers(hybrid_layer_pattern: str, pp: int, vp_stage: Optional[int], pp_rank: Optional[int]) -> range:
+    """The layers of the ``|``-delimited segment chunk (pp_rank, vp_stage) builds."""
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    segments = parse_hybrid_pattern(hybrid_layer_pattern).main_pattern.split(Symbols.PIPE)
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    index = (vp_stage or 0) * pp + pp_rank
+    if len(segments) % pp != 0 or index >= len(segments):
+        raise ValueError(
+            f"hybrid layer pattern {hybrid_layer_pattern!r} has {len(segments)} '|' segments: no segment for "
+            f"pipeline rank {pp_rank} of {pp}, virtual stage {vp_stage} (Megatron needs pp * vp segments)"
+        )
+    offset = sum(len(segment) for segment in segments[:index])
+    return range(offset + 1, offset + len(segments[index]) + 1)
 
 
 def chunk_vp_stages(config: TransformerConfig) -> list[Optional[int]]:

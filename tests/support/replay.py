@@ -60,6 +60,25 @@ def make_model(config, seed=7):
     )
 
 
+def make_hybrid_model(config, hybrid_layer_pattern, seed=7):
+    """A HybridModel of the local hybrid stack spec with deterministic weights for ``seed``
+    (``config.num_layers`` is the pattern's length)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
+
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.manual_seed(seed)
+    return HybridModel(
+        config,
+        get_hybrid_stack_r3_spec(hybrid_layer_pattern, config.num_moe_experts),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        hybrid_layer_pattern=hybrid_layer_pattern,
+        position_embedding_type="rope",
+    )
+
+
 def random_routes(num_layers, num_tokens, seed=0, num_experts=NUM_EXPERTS, topk=TOPK):
     """int64 [num_layers, num_tokens, topk] distinct random experts per token."""
     gen = torch.Generator().manual_seed(seed)

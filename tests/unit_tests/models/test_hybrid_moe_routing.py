@@ -1,0 +1,378 @@
+# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+"""Per-microbatch routing replay (MoERouting) through HybridModel, beside test_moe_routing.py.
+
+HybridModel's own stack specs need TransformerEngine; these CPU tests build the stack from
+Megatron's local modules (megatron_r3.layers.hybrid_specs), for patterns of attention (``*``),
+MLP (``-``) and MoE (``E``) layers.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_routing import MoERouting
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
+from tests.unit_tests.test_utilities import Utils
+
+NUM_EXPERTS = 8
+TOPK = 2
+HIDDEN = 32
+VOCAB = 64
+
+# In-process CPU models: Megatron must not pick up a visible GPU.
+pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
+
+
+def _moe_numbers(pattern):
+    """Global 1-based numbers of a main pattern's MoE layers."""
+    main = pattern.split("/")[0].replace("|", "")
+    return [i + 1 for i, symbol in enumerate(main) if symbol == "E"]
+
+
+def _config(pattern, **overrides):
+    fields = dict(
+        num_layers=len(pattern.split("/")[0].replace("|", "")),
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=16,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_enable_routing_replay=True,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        is_hybrid_model=True,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _hybrid(pattern, seed=7, vp_stage=None, pre_process=True, post_process=True, **overrides):
+    torch.manual_seed(seed)
+    config = _config(pattern, **overrides)
+    return HybridModel(
+        config,
+        get_hybrid_stack_r3_spec(pattern, NUM_EXPERTS),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
+
+
+def _batch(batch_size=2, seq=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch_size, -1)
+    return tokens, position_ids, labels
+
+
+def _random_routes(num_layers, num_tokens, seed=0):
+    """int64 [num_layers, num_tokens, TOPK]: distinct random experts per token."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(num_layers, num_tokens, NUM_EXPERTS, generator=gen).topk(TOPK, -1).indices
+
+
+def _as_map(ids):
+    return torch.zeros(ids.shape[0], NUM_EXPERTS, dtype=torch.bool).scatter(1, ids, True)
+
+
+def _forced(layers, num_tokens, seed=0, no_route_every=0, **kwargs):
+    ids = _random_routes(len(layers), num_tokens, seed)
+    if no_route_every:
+        ids[:, ::no_route_every] = -1
+    return MoERouting(layers, expert_ids=ids, **kwargs)
+
+
+@contextmanager
+def _routing_maps(model):
+    """{router layer: [routing_map per call]} of every router of the model."""
+    seen = {}
+    handles = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+
+            def hook(router, args, output):
+                seen.setdefault(router.moe_routing_layer_number, []).append(output[1].clone())
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _run(model, batch, routing, backward=True):
+    tokens, position_ids, labels = batch
+    model.zero_grad(set_to_none=True)
+    loss = model(
+        tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing}
+    )
+    if backward:
+        loss.sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if backward}
+
+
+class TestMoERoutingInHybridModel:
+    """hybrid: hand MoERouting from HybridModel to the MoE layers of its stack."""
+
+    PATTERNS = ["*E*E", "*-*E", "E-*E"]
+    RECOMPUTE = {
+        "full_uniform": dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        ),
+        "full_block": dict(
+            recompute_granularity="full", recompute_method="block", recompute_num_layers=4
+        ),
+        "selective_moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    }
+
+    def setup_method(self, method):
+        Utils.initialize_model_parallel(1, 1)
+
+    def teardown_method(self, method):
+        Utils.destroy_model_parallel()
+
+    @pytest.mark.parametrize("pattern", PATTERNS)
+    def test_forced_random_routes_are_the_routes_taken(self, pattern):
+        model = _hybrid(pattern)
+        batch = _batch()
+        layers = _moe_numbers(pattern)
+        routing = _forced(layers, batch[0].numel(), seed=1, every_token_routed=True)
+        assert model.decoder.moe_layer_numbers == layers
+        with _routing_maps(model) as seen:
+            _run(model, batch, routing)
+        assert sorted(seen) == layers
+        for row, layer in enumerate(layers):
+            assert torch.equal(seen[layer][0], _as_map(routing.expert_ids[row]))
+
+    def test_rows_without_a_route_are_routed_live(self):
+        pattern = "*E*E"
+        model = _hybrid(pattern)
+        batch = _batch()
+        layers = _moe_numbers(pattern)
+        with _routing_maps(model) as live:
+            _run(model, batch, MoERouting(layers), backward=False)
+        routing = _forced(layers, batch[0].numel(), seed=2, no_route_every=3)
+        with _routing_maps(model) as seen:
+            _run(model, batch, routing, backward=False)
+        routed = (routing.expert_ids >= 0).all(dim=-1)
+        # The first MoE layer sees the same hidden states either way: its live rows match.
+        assert torch.equal(seen[2][0][~routed[0]], live[2][0][~routed[0]])
+        for row, layer in enumerate(layers):
+            assert torch.equal(seen[layer][0][routed[row]], _as_map(routing.expert_ids[row][routed[row]]))
+
+    def test_the_recording_is_the_routes_taken_and_replays_the_same_pass(self):
+        pattern = "*E-E"
+        model = _hybrid(pattern)
+        batch = _batch()
+        layers = _moe_numbers(pattern)
+        recording = MoERouting(layers, record=True)  # live routing, recorded
+        with _routing_maps(model) as seen:
+            want_loss, want_grads = _run(model, batch, recording)
+        recorded = recording.recorded_expert_ids()
+        assert recorded.shape == (len(layers), batch[0].numel(), TOPK)
+        for row, layer in enumerate(layers):
+            assert torch.equal(_as_map(recorded[row]), seen[layer][0])
+        replay = MoERouting(layers, expert_ids=recorded, every_token_routed=True)
+        loss, grads = _run(model, batch, replay)
+        assert torch.equal(loss, want_loss)
+        for name, grad in grads.items():
+            assert torch.equal(grad, want_grads[name]), name
+
+    def test_replayed_routers_get_gradients_from_their_own_scores(self):
+        pattern = "*E*E"
+        model = _hybrid(pattern)
+        batch = _batch()
+        layers = _moe_numbers(pattern)
+        _, grads = _run(model, batch, _forced(layers, batch[0].numel(), seed=5, every_token_routed=True))
+        routers = [name for name in grads if name.endswith("router.weight")]
+        assert len(routers) == len(layers)
+        assert all(grads[name].abs().sum() > 0 and grads[name].isfinite().all() for name in routers)
+        # Other forced routes give the routers other gradients: the probabilities are gathered
+        # at the replayed experts.
+        _, other = _run(model, batch, _forced(layers, batch[0].numel(), seed=6, every_token_routed=True))
+        assert all(not torch.equal(grads[name], other[name]) for name in routers)
+
+    @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+    def test_recompute_replays_the_same_routes_bit_for_bit(self, recompute):
+        pattern = "*E*E"
+        layers = _moe_numbers(pattern)
+        batch = _batch()
+
+        def forced():
+            return _forced(layers, batch[0].numel(), seed=9, no_route_every=4)
+
+        want_loss, want_grads = _run(_hybrid(pattern), batch, forced())
+        model = _hybrid(pattern, **self.RECOMPUTE[recompute])
+        with _routing_maps(model) as seen:
+            loss, grads = _run(model, batch, forced())
+        assert torch.equal(loss, want_loss)
+        for name, grad in grads.items():
+            assert torch.equal(grad, want_grads[name]), name
+        for layer in layers:  # the recompute ran the routers again, the same way
+            assert len(seen[layer]) == 2 and torch.equal(seen[layer][0], seen[layer][1])
+
+    def test_only_moe_layers_are_given_the_routes(self):
+        pattern = "*-*E"
+        model = _hybrid(pattern)
+        batch = _batch()
+        given = {}
+        for layer in model.decoder.layers:
+
+            def hook(module, args, kwargs):
+                given[module.layer_number] = "moe_routing" in kwargs
+
+            layer.register_forward_pre_hook(hook, with_kwargs=True)
+        _run(model, batch, _forced([4], batch[0].numel()), backward=False)
+        assert given == {1: False, 2: False, 3: False, 4: True}
+
+    BAD_ROUTES = {
+        "missing_layer": (lambda ids: MoERouting([2], expert_ids=ids[:1]), "also builds MoE layers \\[4\\]"),
+        "foreign_layer": (
+            lambda ids: MoERouting([1, 2, 4], expert_ids=torch.cat([ids[:1], ids])),
+            "routes for MoE layers \\[1\\], which this model chunk does not build",
+        ),
+        "token_count": (
+            lambda ids: MoERouting([2, 4], expert_ids=ids[:, :-1]),
+            "num_tokens=32 \\(s_local \\* b on this rank\\)",
+        ),
+        "int32_ids": (lambda ids: MoERouting([2, 4], expert_ids=ids.int()), "int64.*int32"),
+        "replay_disabled": (lambda ids: MoERouting([2, 4], expert_ids=ids), "moe_enable_routing_replay"),
+    }
+
+    @pytest.mark.parametrize("case", sorted(BAD_ROUTES))
+    def test_bad_routes_fail_before_any_layer_runs(self, case):
+        make, message = self.BAD_ROUTES[case]
+        overrides = dict(moe_enable_routing_replay=False) if case == "replay_disabled" else {}
+        model = _hybrid("*E*E", **overrides)
+        batch = _batch()
+        ran = []
+        for layer in model.decoder.layers:
+            layer.register_forward_pre_hook(lambda *args: ran.append("layer"))
+        with pytest.raises(ValueError, match=message):
+            _run(model, batch, make(_random_routes(2, batch[0].numel(), seed=3)), backward=False)
+        assert ran == []
+
+
+class TestMoERoutingInHybridMTP:
+    """The MoE layers of a hybrid MTP block route live; routes for them are refused."""
+
+    PATTERN = "*E*E/*E"
+
+    def setup_method(self, method):
+        Utils.initialize_model_parallel(1, 1)
+
+    def teardown_method(self, method):
+        Utils.destroy_model_parallel()
+
+    def _model(self):
+        model = _hybrid(self.PATTERN, mtp_num_layers=1)
+        model.eval()  # the MTP block runs; its training-only loss logging (CUDA-only) does not
+        return model
+
+    def test_the_decoder_replays_and_the_mtp_moe_layer_routes_live(self):
+        model = self._model()
+        tokens, position_ids, _ = _batch()
+        mtp_router = [m for m in model.mtp.modules() if isinstance(m, MoELayer)][0].router
+        mtp_maps = []
+        mtp_router.register_forward_hook(lambda r, a, out: mtp_maps.append(out[1].clone()))
+        routing = _forced([2, 4], tokens.numel(), seed=4, every_token_routed=True)
+        with torch.no_grad(), _routing_maps(model.decoder) as seen:
+            model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
+        for row, layer in enumerate([2, 4]):
+            assert torch.equal(seen[layer][0], _as_map(routing.expert_ids[row]))
+        # The MTP router's map is its own top-k, not any replayed row.
+        assert len(mtp_maps) == 1
+        assert mtp_maps[0].sum(dim=-1).eq(TOPK).all()
+        assert all(not torch.equal(mtp_maps[0], _as_map(ids)) for ids in routing.expert_ids)
+
+    def test_routes_for_mtp_layers_are_refused(self):
+        model = self._model()
+        tokens, position_ids, _ = _batch()
+        routing = _forced([2, 4, 5], tokens.numel())
+        with pytest.raises(ValueError, match="MoE layers \\[5\\].*hybrid MTP block route live"):
+            with torch.no_grad():
+                model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
+
+
+class TestMoERoutingAcrossHybridStages:
+    """Each stage of a ``|``-split pattern replays the rows of its own global MoE layers.
+
+    One process builds both stages as the virtual stages of one pipeline rank (segment
+    ``vp_stage * pp_size + pp_rank``), runs them in turn and compares with the whole model.
+    """
+
+    PATTERN = "*E-|E*E"
+
+    def setup_method(self, method):
+        Utils.initialize_model_parallel(1, 1)
+
+    def teardown_method(self, method):
+        Utils.destroy_model_parallel()
+
+    def _stages(self, whole):
+        first = _hybrid(self.PATTERN, vp_stage=0, post_process=False)
+        second = _hybrid(self.PATTERN, vp_stage=1, pre_process=False)
+        state = whole.state_dict()
+        for stage, offset in ((first, 0), (second, 3)):
+            own = {}
+            for name in stage.state_dict():
+                source = name
+                if name.startswith("decoder.layers."):
+                    index, rest = name[len("decoder.layers.") :].split(".", 1)
+                    source = f"decoder.layers.{int(index) + offset}.{rest}"
+                own[name] = state[source]
+            stage.load_state_dict(own)
+        return first, second
+
+    def test_stages_build_their_global_moe_layers_and_replay_like_the_whole_model(self):
+        whole = _hybrid(self.PATTERN.replace("|", ""))
+        first, second = self._stages(whole)
+        assert first.decoder.moe_layer_numbers == [2]
+        assert second.decoder.moe_layer_numbers == [4, 6]
+        tokens, position_ids, labels = _batch()
+        ids = _random_routes(3, tokens.numel(), seed=8)
+
+        want = whole(
+            tokens, position_ids, None, labels=labels,
+            extra_block_kwargs={"moe_routing": MoERouting([2, 4, 6], expert_ids=ids)},
+        )
+        with _routing_maps(first) as seen_first, _routing_maps(second) as seen_second:
+            hidden = first(
+                tokens, position_ids, None,
+                extra_block_kwargs={"moe_routing": MoERouting([2], expert_ids=ids[:1])},
+            )
+            second.set_input_tensor(hidden)
+            loss = second(
+                None, position_ids, None, labels=labels,
+                extra_block_kwargs={"moe_routing": MoERouting([4, 6], expert_ids=ids[1:])},
+            )
+        assert torch.equal(seen_first[2][0], _as_map(ids[0]))
+        assert torch.equal(seen_second[4][0], _as_map(ids[1]))
+        assert torch.equal(seen_second[6][0], _as_map(ids[2]))
+        assert torch.equal(loss, want)
+
+    def test_a_stage_refuses_the_rows_of_another_stage(self):
+        whole = _hybrid(self.PATTERN.replace("|", ""))
+        first, second = self._stages(whole)
+        tokens, position_ids, labels = _batch()
+        hidden = first(tokens, position_ids, None)
+        second.set_input_tensor(hidden)
+        routing = MoERouting([2, 4, 6], expert_ids=_random_routes(3, tokens.numel()))
+        with pytest.raises(ValueError, match="MoE layers \\[2\\], which this model chunk does not build"):
+            second(None, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing})
