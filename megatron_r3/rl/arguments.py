@@ -65,8 +65,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--moe-permute-fusion", action="store_true",
                        help="TransformerEngine's fused permutation of tokens to experts (TE only)")
     model.add_argument("--moe-router-fusion", action="store_true",
-                       help="TransformerEngine's fused top-k and score function (TE only); refused with "
-                            "routers that take replayed routes (the fused top-k returns before the replay hook)")
+                       help="TransformerEngine's fused top-k and score function (TE only); live microbatches "
+                            "take the fused kernel, replayed or recorded ones the unfused top-k (the fused "
+                            "kernel never reaches the replay hook); docs/routing_replay.md")
     model.add_argument("--swiglu", action="store_true",
                        help="gated SiLU experts and MLPs (SwiGLU, as Qwen3 and DeepSeek MoE models; Megatron-LM's "
                             "flag); default GeLU")

@@ -62,3 +62,28 @@ def test_thd_rope_does_not_sync_the_device():
         _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup(2, 1))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class TestThdPackedLengthCheck:
+    """rope: the packed length is the local token count times cp_size; checked on the host."""
+
+    def test_cu_seqlens_longer_than_the_tokens_are_refused(self):
+        t = torch.randn(16, 2, 8)
+        freqs = torch.randn(32, 1, 1, 8)
+        cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+        with pytest.raises(ValueError, match="cu_seqlens ends at 20, but this rank holds 16"):
+            _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())
+
+    def test_cu_seqlens_shorter_than_the_tokens_are_refused(self):
+        t = torch.randn(16, 2, 8)
+        freqs = torch.randn(32, 1, 1, 8)
+        cu_seqlens = torch.tensor([0, 4, 12], dtype=torch.int32)
+        with pytest.raises(ValueError, match="cu_seqlens ends at 12"):
+            _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())
+
+    def test_sequences_not_padded_to_twice_cp_are_refused(self):
+        t = torch.randn(8, 2, 8)  # rank 0 of cp 2: half of 16 tokens
+        freqs = torch.randn(32, 1, 1, 8)
+        cu_seqlens = torch.tensor([0, 6, 16], dtype=torch.int32)
+        with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
+            _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup(2, 0))

@@ -83,6 +83,34 @@ def test_learned_frequencies_are_gathered_every_time_and_get_gradients(gathers):
     assert torch.allclose(grad, want)
 
 
+def test_inference_mode_gathers_without_a_version_counter(gathers):
+    """Megatron's inference runs under torch.inference_mode(): its tensors have no version."""
+    with torch.inference_mode():
+        cu_seqlens = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+        freqs = torch.randn(33, 1, 1, 8)
+        for _ in range(2):
+            t = torch.randn(16, 4, 8)
+            assert torch.equal(_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup()),
+                               _fresh(t, cu_seqlens, freqs))
+    # Inference tensors made outside inference mode: still no version counter to read.
+    t = torch.randn(16, 4, 8)
+    assert torch.equal(_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup()),
+                       _fresh(t, cu_seqlens, freqs))
+    assert len(gathers) == 3
+
+
+def test_frequencies_gathered_under_inference_mode_are_not_reused_for_training(gathers):
+    cu_seqlens = torch.tensor([0, 6, 10], dtype=torch.int32)
+    freqs = torch.randn(16, 1, 1, 8)
+    with torch.inference_mode():
+        _apply_rotary_pos_emb_thd(torch.randn(10, 2, 8), cu_seqlens, freqs, cp_group=FakeGroup())
+    t = torch.randn(10, 2, 8, requires_grad=True)
+    out = _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=FakeGroup())
+    (grad,) = torch.autograd.grad(out.sum(), t)
+    (want,) = torch.autograd.grad(_fresh(t, cu_seqlens, freqs).sum(), t)
+    assert torch.equal(grad, want)
+
+
 @pytest.mark.gpu
 def test_a_cuda_graph_capture_gathers_from_its_own_inputs():
     """Frequencies gathered before a capture, from the same tensors, are not baked into it."""

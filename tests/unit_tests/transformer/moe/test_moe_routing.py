@@ -488,10 +488,9 @@ class TestMoERoutingInGPTModel:
 
 
 class TestRoutingReplayConfig:
-    """transformer_config: refuse routers that skip the replay hook under moe_enable_routing_replay."""
+    """moe: replay under moe_router_fusion; refuse routers without a replay hook (config)."""
 
     REFUSED = {
-        "moe_router_fusion": dict(moe_router_fusion=True),
         "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0),
         "quantile_balancing": dict(
             moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0
@@ -502,16 +501,176 @@ class TestRoutingReplayConfig:
     def test_routers_that_skip_the_hook_are_refused(self, option):
         with pytest.raises(ValueError, match="moe_enable_routing_replay does not support"):
             _config(**self.REFUSED[option])
-        if option != "moe_router_fusion":  # fusion needs TE on its own
-            _config(moe_enable_routing_replay=False, **self.REFUSED[option])
+        _config(moe_enable_routing_replay=False, **self.REFUSED[option])
 
     def test_options_upstream_route_recording_supports_stay_valid(self):
         for option in (
             dict(cuda_graph_impl="local"),
             dict(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="aux_loss"),
             dict(moe_router_force_load_balancing=True),
+            dict(moe_router_fusion=True),
         ):
             assert _config(**option).moe_enable_routing_replay
+
+
+class TestReplayUnderRouterFusion:
+    """moe: replay under moe_router_fusion (the fused top-k steps aside where replay needs the
+    hook).
+
+    The fused top-k is TransformerEngine's kernel; a CPU stand-in that computes the unfused
+    top-k and counts its calls takes its place, so the test runs without TE.
+    """
+
+    LAYER = 2
+    VARIANTS = TestMoERoutingRouter.VARIANTS
+
+    def setup_method(self, method):
+        Utils.initialize_model_parallel(1, 1)
+        RouterReplay.clear_global_router_replay_instances()
+
+    def teardown_method(self, method):
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_instances()
+        Utils.destroy_model_parallel()
+
+    @pytest.fixture
+    def fused_calls(self, monkeypatch):
+        """Stand in for TE's fused top-k: the unfused computation, each call recorded."""
+        calls = []
+        unfused = moe_utils.topk_routing_with_score_function
+
+        def fused_topk_with_score_function(logits, topk, **kwargs):
+            calls.append(logits.shape)
+            return unfused(logits, topk, **kwargs)
+
+        monkeypatch.setattr(moe_utils, "HAVE_TE", True)
+        monkeypatch.setattr(
+            moe_utils, "fused_topk_with_score_function", fused_topk_with_score_function
+        )
+        return calls
+
+    def _routers(self, **overrides):
+        """A router under moe_router_fusion and its unfused twin (same weights and bias)."""
+        routers = []
+        for fusion in (True, False):
+            torch.manual_seed(3)
+            router = TopKRouter(
+                _config(moe_router_fusion=fusion, **overrides),
+                pg_collection=moe_utils.get_default_pg_collection(),
+            )
+            router.set_layer_number(self.LAYER)
+            if router.expert_bias is not None:
+                router.expert_bias.copy_(torch.linspace(-1.0, 1.0, NUM_EXPERTS))
+            routers.append(router)
+        return routers
+
+    @staticmethod
+    def _forward_backward(router, hidden, **kwargs):
+        hidden = hidden.clone().requires_grad_(True)
+        probs, routing_map = router(hidden, **kwargs)
+        (probs * torch.linspace(0.5, 2.0, NUM_EXPERTS)).sum().backward()
+        return probs.detach(), routing_map, router.weight.grad.clone(), hidden.grad
+
+    @pytest.mark.parametrize("every_token_routed", [True, False])
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    def test_a_replayed_microbatch_takes_the_unfused_top_k(
+        self, fused_calls, variant, every_token_routed
+    ):
+        fused, unfused = self._routers(**self.VARIANTS[variant])
+        hidden = torch.randn(6, 3, HIDDEN)
+        ids = _random_routes(1, 18, seed=13)
+        if not every_token_routed:
+            ids[0, ::4] = -1
+
+        def routing():
+            return MoERouting(
+                [self.LAYER], expert_ids=ids, every_token_routed=every_token_routed
+            )
+
+        probs, routing_map, weight_grad, hidden_grad = self._forward_backward(
+            fused, hidden, moe_routing=routing()
+        )
+        assert fused_calls == []
+        want = self._forward_backward(unfused, hidden, moe_routing=routing())
+        routed = ids[0, :, 0] >= 0
+        assert torch.equal(routing_map[routed], _as_map(ids[0][routed]))
+        assert torch.equal(routing_map, want[1])
+        torch.testing.assert_close(probs, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(weight_grad, want[2], rtol=0, atol=0)
+        torch.testing.assert_close(hidden_grad, want[3], rtol=0, atol=0)
+        assert weight_grad.abs().sum() > 0
+
+    def test_a_live_microbatch_keeps_the_fused_top_k(self, fused_calls):
+        fused, unfused = self._routers()
+        hidden = torch.randn(6, 3, HIDDEN)
+        probs, routing_map = fused(hidden)
+        assert fused_calls == [(18, NUM_EXPERTS)]
+        # A MoERouting that neither replays nor records this layer does not need the hook.
+        fused(hidden, moe_routing=MoERouting([self.LAYER]))
+        fused(hidden, moe_routing=MoERouting([self.LAYER + 1], expert_ids=_random_routes(1, 18)))
+        assert len(fused_calls) == 3
+        want_probs, want_map = unfused(hidden)
+        assert torch.equal(routing_map, want_map)
+        torch.testing.assert_close(probs, want_probs, rtol=0, atol=0)
+
+    def test_recording_and_live_routes_take_the_unfused_top_k(self, fused_calls):
+        fused, unfused = self._routers()
+        hidden = torch.randn(6, 3, HIDDEN)
+        _, want_map = unfused(hidden)
+        for kwargs in (dict(record=True), dict(keep_live_routes=True)):
+            routing = MoERouting([self.LAYER], **kwargs)
+            fused(hidden, moe_routing=routing)
+            got = routing.recorded_expert_ids() if "record" in kwargs else routing.live_expert_ids()
+            assert torch.equal(_as_map(got[0]), want_map)
+        assert fused_calls == []
+
+    def test_router_replay_actions_take_the_unfused_top_k(self, fused_calls):
+        fused, unfused = self._routers(moe_router_score_function="sigmoid")
+        hidden = torch.randn(6, 3, HIDDEN)
+        _, want_map = unfused(hidden)
+        replay = fused.router_replay
+
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+        fused(hidden)
+        assert torch.equal(_as_map(replay.get_recorded_indices()), want_map)
+
+        ids = _random_routes(1, 18, seed=21)[0]
+        replay.set_target_indices(ids)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        probs, routing_map, weight_grad, _ = self._forward_backward(fused, hidden)
+        assert torch.equal(routing_map, _as_map(ids))
+        unfused.router_replay.set_target_indices(ids)
+        unfused.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        want = self._forward_backward(unfused, hidden)
+        torch.testing.assert_close(probs, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(weight_grad, want[2], rtol=0, atol=0)
+
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        _, routing_map = fused(hidden)
+        assert torch.equal(routing_map, _as_map(ids))
+        assert fused_calls == []
+
+        replay.clear_router_replay_action()
+        fused(hidden)
+        assert len(fused_calls) == 1
+
+    def test_a_replayed_model_forward_and_backward_never_calls_the_fused_top_k(
+        self, fused_calls
+    ):
+        model = _gpt(_config(moe_router_fusion=True))
+        batch = _batch()
+        routing = _forced(batch[0], seed=5, no_route_every=3)
+        with _routing_maps(model) as seen:
+            _run(model, batch, routing)
+        assert fused_calls == []
+        for row, layer in enumerate(MOE_LAYERS):
+            ids = routing.expert_ids[row]
+            routed = ids[:, 0] >= 0
+            assert torch.equal(seen[layer][0][routed], _as_map(ids[routed]))
+        assert all(m.router.weight.grad.abs().sum() > 0 for m in _moe_layers(model))
+        _run(model, batch, None, backward=False)
+        assert len(fused_calls) == len(MOE_LAYERS)
 
 
 class TestMoERoutingRecording:
