@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything a GPU node should verify, in one go, logs under OUTDIR:
 #   WHEELHOUSE=wheels bash tools/gpu_check.sh OUTDIR
-# 1. make install (CUDA kernels built?)  2. the gpu-marked tests  3. the launcher on a synthetic dump, one
-# rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing benchmark, the update-pass (loop) benchmark and the training-stack benchmark  5. `make test`, the whole suite, with per-test timings (stopped
-# after SUITE_LIMIT seconds, default 480).
+# 1. make install (CUDA kernels built? TransformerEngine installed?)  2. the gpu-marked tests  3. the launcher on a
+# synthetic dump, one rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing
+# benchmark, the update-pass (loop) benchmark with TE's grouped experts and with torch's, a host profile of one pass,
+# and the training-stack benchmark  5. `make test`, the whole suite, with per-test timings (stopped after
+# SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -12,6 +14,8 @@ export PYTHONUNBUFFERED=1
 make install > "$out/install.log" 2>&1 || { tail -20 "$out/install.log"; exit 1; }
 .venv/bin/python -c 'import megatron_r3; print("kernels:", megatron_r3.kernel_info())' | tee "$out/kernels.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpus.log"
+.venv/bin/python -m pip show transformer_engine transformer_engine_torch 2>/dev/null | grep -E "^(Name|Version)" \
+  | tee "$out/transformer_engine.log"
 # NCCL workers fork from the preloaded forkserver; if this platform's CUDA does not survive that, spawn them.
 if ! .venv/bin/python -m pytest -p no:cacheprovider -q -x tests/test_launcher.py > "$out/nccl_smoke.log" 2>&1; then
   tail -30 "$out/nccl_smoke.log"
@@ -39,6 +43,13 @@ grep " iteration " "$out/embedded.log" | tail -3
 .venv/bin/python -m bench --out "$out/benchmarks.md" 2>&1 | tee "$out/bench.log" | tail -20
 .venv/bin/python -m bench.step --data rollout --out "$out/loop-ep1.md" > "$out/loop-ep1.log" 2>&1
 grep "^|" "$out/loop-ep1.log"
+# TE's layers with torch's grouped experts (device offsets, no host sync on one expert rank), and where a pass's
+# host time goes (own time per function, one pass per variant).
+.venv/bin/python -m bench.step --data rollout --moe-grouped-gemm-impl torch --out "$out/loop-ep1-torch-experts.md" \
+  > "$out/loop-ep1-torch-experts.log" 2>&1
+grep "^|" "$out/loop-ep1-torch-experts.log"
+.venv/bin/python -m bench.step --data rollout --rounds 1 --steps 1 --variants replay+host-splits --profile-host 30 \
+  > "$out/host-profile.log" 2>&1
 .venv/bin/python -m bench.training_stack --out "$out/training-stack.md" > "$out/training-stack.log" 2>&1
 grep "^|" "$out/training-stack.log"
 if [ "$ngpu" -ge 2 ]; then
