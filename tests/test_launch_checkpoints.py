@@ -100,6 +100,14 @@ def _children(pid):
     return out
 
 
+def _descendants(pid):
+    """The processes ``pid`` started, and theirs."""
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
 def _rows(path):
     if not os.path.exists(path):
         return []
@@ -124,6 +132,7 @@ def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoi
     with open(log, "w") as out:
         agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
+    orphans = []
     try:
         deadline = time.monotonic() + 300
         while len(_rows(metrics)) < 3:
@@ -132,11 +141,19 @@ def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoi
             time.sleep(0.05)
         workers = _children(agent.pid)
         assert len(workers) == 2
+        # What the rank started (its checkpoint writer's multiprocessing manager and resource tracker)
+        # outlives it as orphans: ended below.
+        orphans = _descendants(workers[0])
         os.kill(workers[0], signal.SIGKILL)
         agent.wait(timeout=300)
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     output = log.read_text()
     assert agent.returncode == 0, output[-3000:]
     assert "resumed from" in output  # the restarted workers loaded a checkpoint
