@@ -6,7 +6,6 @@ Megatron's local modules (megatron_r3.layers.hybrid_specs), for patterns of atte
 MLP (``-``) and MoE (``E``) layers.
 """
 
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -14,15 +13,21 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_routing import MoERouting
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
 from tests.unit_tests.test_utilities import Utils
+from tests.unit_tests.transformer.moe.moe_routing_utils import (
+    HIDDEN,
+    NUM_EXPERTS,
+    TOPK,
+    VOCAB,
+    as_routing_map,
+    make_batch,
+    random_routes,
+    routing_maps,
+    run_model,
+)
 
-NUM_EXPERTS = 8
-TOPK = 2
-HIDDEN = 32
-VOCAB = 64
 
 # In-process CPU models: Megatron must not pick up a visible GPU.
 pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
@@ -72,59 +77,13 @@ def _hybrid(pattern, seed=7, vp_stage=None, pre_process=True, post_process=True,
     )
 
 
-def _batch(batch_size=2, seq=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    labels = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch_size, -1)
-    return tokens, position_ids, labels
-
-
-def _random_routes(num_layers, num_tokens, seed=0):
-    """int64 [num_layers, num_tokens, TOPK]: distinct random experts per token."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(num_layers, num_tokens, NUM_EXPERTS, generator=gen).topk(TOPK, -1).indices
-
-
-def _as_map(ids):
-    return torch.zeros(ids.shape[0], NUM_EXPERTS, dtype=torch.bool).scatter(1, ids, True)
-
-
 def _forced(layers, num_tokens, seed=0, no_route_every=0, **kwargs):
-    ids = _random_routes(len(layers), num_tokens, seed)
+    ids = random_routes(len(layers), num_tokens, seed)
     if no_route_every:
         ids[:, ::no_route_every] = -1
     return MoERouting(layers, expert_ids=ids, **kwargs)
 
 
-@contextmanager
-def _routing_maps(model):
-    """{router layer: [routing_map per call]} of every router of the model."""
-    seen = {}
-    handles = []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-
-            def hook(router, args, output):
-                seen.setdefault(router.moe_routing_layer_number, []).append(output[1].clone())
-
-            handles.append(module.register_forward_hook(hook))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _run(model, batch, routing, backward=True):
-    tokens, position_ids, labels = batch
-    model.zero_grad(set_to_none=True)
-    loss = model(
-        tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing}
-    )
-    if backward:
-        loss.sum().backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if backward}
 
 
 class TestMoERoutingInHybridModel:
@@ -150,46 +109,46 @@ class TestMoERoutingInHybridModel:
     @pytest.mark.parametrize("pattern", PATTERNS)
     def test_forced_random_routes_are_the_routes_taken(self, pattern):
         model = _hybrid(pattern)
-        batch = _batch()
+        batch = make_batch()
         layers = _moe_numbers(pattern)
         routing = _forced(layers, batch[0].numel(), seed=1, every_token_routed=True)
         assert model.decoder.moe_layer_numbers == layers
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing)
         assert sorted(seen) == layers
         for row, layer in enumerate(layers):
-            assert torch.equal(seen[layer][0], _as_map(routing.expert_ids[row]))
+            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
 
     def test_rows_without_a_route_are_routed_live(self):
         pattern = "*E*E"
         model = _hybrid(pattern)
-        batch = _batch()
+        batch = make_batch()
         layers = _moe_numbers(pattern)
-        with _routing_maps(model) as live:
-            _run(model, batch, MoERouting(layers), backward=False)
+        with routing_maps(model) as live:
+            run_model(model, batch, MoERouting(layers), backward=False)
         routing = _forced(layers, batch[0].numel(), seed=2, no_route_every=3)
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing, backward=False)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing, backward=False)
         routed = (routing.expert_ids >= 0).all(dim=-1)
         # The first MoE layer sees the same hidden states either way: its live rows match.
         assert torch.equal(seen[2][0][~routed[0]], live[2][0][~routed[0]])
         for row, layer in enumerate(layers):
-            assert torch.equal(seen[layer][0][routed[row]], _as_map(routing.expert_ids[row][routed[row]]))
+            assert torch.equal(seen[layer][0][routed[row]], as_routing_map(routing.expert_ids[row][routed[row]]))
 
     def test_the_recording_is_the_routes_taken_and_replays_the_same_pass(self):
         pattern = "*E-E"
         model = _hybrid(pattern)
-        batch = _batch()
+        batch = make_batch()
         layers = _moe_numbers(pattern)
         recording = MoERouting(layers, record=True)  # live routing, recorded
-        with _routing_maps(model) as seen:
-            want_loss, want_grads = _run(model, batch, recording)
+        with routing_maps(model) as seen:
+            want_loss, want_grads = run_model(model, batch, recording)
         recorded = recording.recorded_expert_ids()
         assert recorded.shape == (len(layers), batch[0].numel(), TOPK)
         for row, layer in enumerate(layers):
-            assert torch.equal(_as_map(recorded[row]), seen[layer][0])
+            assert torch.equal(as_routing_map(recorded[row]), seen[layer][0])
         replay = MoERouting(layers, expert_ids=recorded, every_token_routed=True)
-        loss, grads = _run(model, batch, replay)
+        loss, grads = run_model(model, batch, replay)
         assert torch.equal(loss, want_loss)
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
@@ -197,30 +156,30 @@ class TestMoERoutingInHybridModel:
     def test_replayed_routers_get_gradients_from_their_own_scores(self):
         pattern = "*E*E"
         model = _hybrid(pattern)
-        batch = _batch()
+        batch = make_batch()
         layers = _moe_numbers(pattern)
-        _, grads = _run(model, batch, _forced(layers, batch[0].numel(), seed=5, every_token_routed=True))
+        _, grads = run_model(model, batch, _forced(layers, batch[0].numel(), seed=5, every_token_routed=True))
         routers = [name for name in grads if name.endswith("router.weight")]
         assert len(routers) == len(layers)
         assert all(grads[name].abs().sum() > 0 and grads[name].isfinite().all() for name in routers)
         # Other forced routes give the routers other gradients: the probabilities are gathered
         # at the replayed experts.
-        _, other = _run(model, batch, _forced(layers, batch[0].numel(), seed=6, every_token_routed=True))
+        _, other = run_model(model, batch, _forced(layers, batch[0].numel(), seed=6, every_token_routed=True))
         assert all(not torch.equal(grads[name], other[name]) for name in routers)
 
     @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
     def test_recompute_replays_the_same_routes_bit_for_bit(self, recompute):
         pattern = "*E*E"
         layers = _moe_numbers(pattern)
-        batch = _batch()
+        batch = make_batch()
 
         def forced():
             return _forced(layers, batch[0].numel(), seed=9, no_route_every=4)
 
-        want_loss, want_grads = _run(_hybrid(pattern), batch, forced())
+        want_loss, want_grads = run_model(_hybrid(pattern), batch, forced())
         model = _hybrid(pattern, **self.RECOMPUTE[recompute])
-        with _routing_maps(model) as seen:
-            loss, grads = _run(model, batch, forced())
+        with routing_maps(model) as seen:
+            loss, grads = run_model(model, batch, forced())
         assert torch.equal(loss, want_loss)
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
@@ -230,7 +189,7 @@ class TestMoERoutingInHybridModel:
     def test_only_moe_layers_are_given_the_routes(self):
         pattern = "*-*E"
         model = _hybrid(pattern)
-        batch = _batch()
+        batch = make_batch()
         given = {}
         for layer in model.decoder.layers:
 
@@ -238,7 +197,7 @@ class TestMoERoutingInHybridModel:
                 given[module.layer_number] = "moe_routing" in kwargs
 
             layer.register_forward_pre_hook(hook, with_kwargs=True)
-        _run(model, batch, _forced([4], batch[0].numel()), backward=False)
+        run_model(model, batch, _forced([4], batch[0].numel()), backward=False)
         assert given == {1: False, 2: False, 3: False, 4: True}
 
     BAD_ROUTES = {
@@ -260,12 +219,12 @@ class TestMoERoutingInHybridModel:
         make, message = self.BAD_ROUTES[case]
         overrides = dict(moe_enable_routing_replay=False) if case == "replay_disabled" else {}
         model = _hybrid("*E*E", **overrides)
-        batch = _batch()
+        batch = make_batch()
         ran = []
         for layer in model.decoder.layers:
             layer.register_forward_pre_hook(lambda *args: ran.append("layer"))
         with pytest.raises(ValueError, match=message):
-            _run(model, batch, make(_random_routes(2, batch[0].numel(), seed=3)), backward=False)
+            run_model(model, batch, make(random_routes(2, batch[0].numel(), seed=3)), backward=False)
         assert ran == []
 
 
@@ -287,23 +246,23 @@ class TestMoERoutingInHybridMTP:
 
     def test_the_decoder_replays_and_the_mtp_moe_layer_routes_live(self):
         model = self._model()
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         mtp_router = [m for m in model.mtp.modules() if isinstance(m, MoELayer)][0].router
         mtp_maps = []
         mtp_router.register_forward_hook(lambda r, a, out: mtp_maps.append(out[1].clone()))
         routing = _forced([2, 4], tokens.numel(), seed=4, every_token_routed=True)
-        with torch.no_grad(), _routing_maps(model.decoder) as seen:
+        with torch.no_grad(), routing_maps(model.decoder) as seen:
             model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
         for row, layer in enumerate([2, 4]):
-            assert torch.equal(seen[layer][0], _as_map(routing.expert_ids[row]))
+            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
         # The MTP router's map is its own top-k, not any replayed row.
         assert len(mtp_maps) == 1
         assert mtp_maps[0].sum(dim=-1).eq(TOPK).all()
-        assert all(not torch.equal(mtp_maps[0], _as_map(ids)) for ids in routing.expert_ids)
+        assert all(not torch.equal(mtp_maps[0], as_routing_map(ids)) for ids in routing.expert_ids)
 
     def test_routes_for_mtp_layers_are_refused(self):
         model = self._model()
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         routing = _forced([2, 4, 5], tokens.numel())
         with pytest.raises(ValueError, match="MoE layers \\[5\\].*hybrid MTP block route live"):
             with torch.no_grad():
@@ -345,14 +304,14 @@ class TestMoERoutingAcrossHybridStages:
         first, second = self._stages(whole)
         assert first.decoder.moe_layer_numbers == [2]
         assert second.decoder.moe_layer_numbers == [4, 6]
-        tokens, position_ids, labels = _batch()
-        ids = _random_routes(3, tokens.numel(), seed=8)
+        tokens, position_ids, labels = make_batch()
+        ids = random_routes(3, tokens.numel(), seed=8)
 
         want = whole(
             tokens, position_ids, None, labels=labels,
             extra_block_kwargs={"moe_routing": MoERouting([2, 4, 6], expert_ids=ids)},
         )
-        with _routing_maps(first) as seen_first, _routing_maps(second) as seen_second:
+        with routing_maps(first) as seen_first, routing_maps(second) as seen_second:
             hidden = first(
                 tokens, position_ids, None,
                 extra_block_kwargs={"moe_routing": MoERouting([2], expert_ids=ids[:1])},
@@ -362,17 +321,17 @@ class TestMoERoutingAcrossHybridStages:
                 None, position_ids, None, labels=labels,
                 extra_block_kwargs={"moe_routing": MoERouting([4, 6], expert_ids=ids[1:])},
             )
-        assert torch.equal(seen_first[2][0], _as_map(ids[0]))
-        assert torch.equal(seen_second[4][0], _as_map(ids[1]))
-        assert torch.equal(seen_second[6][0], _as_map(ids[2]))
+        assert torch.equal(seen_first[2][0], as_routing_map(ids[0]))
+        assert torch.equal(seen_second[4][0], as_routing_map(ids[1]))
+        assert torch.equal(seen_second[6][0], as_routing_map(ids[2]))
         assert torch.equal(loss, want)
 
     def test_a_stage_refuses_the_rows_of_another_stage(self):
         whole = _hybrid(self.PATTERN.replace("|", ""))
         first, second = self._stages(whole)
-        tokens, position_ids, labels = _batch()
+        tokens, position_ids, labels = make_batch()
         hidden = first(tokens, position_ids, None)
         second.set_input_tensor(hidden)
-        routing = MoERouting([2, 4, 6], expert_ids=_random_routes(3, tokens.numel()))
+        routing = MoERouting([2, 4, 6], expert_ids=random_routes(3, tokens.numel()))
         with pytest.raises(ValueError, match="MoE layers \\[2\\], which this model chunk does not build"):
             second(None, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing})

@@ -8,7 +8,6 @@ the patched tree.
 """
 
 import gc
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,11 +26,18 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
+from tests.unit_tests.transformer.moe.moe_routing_utils import (
+    HIDDEN,
+    NUM_EXPERTS,
+    TOPK,
+    VOCAB,
+    as_routing_map,
+    make_batch,
+    random_routes,
+    routing_maps,
+    run_model,
+)
 
-NUM_EXPERTS = 8
-TOPK = 2
-HIDDEN = 32
-VOCAB = 64
 MOE_LAYERS = [2, 3, 4]
 
 # In-process CPU models: Megatron must not pick up a visible GPU.
@@ -72,26 +78,8 @@ def _gpt(config, seed=7, mtp=False):
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64, mtp_block_spec=mtp_spec)
 
 
-def _batch(batch_size=2, seq=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    labels = torch.randint(0, VOCAB, (batch_size, seq), generator=gen)
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch_size, -1)
-    return tokens, position_ids, labels
-
-
-def _random_routes(num_layers, num_tokens, seed=0):
-    """int64 [num_layers, num_tokens, TOPK]: distinct random experts per token."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.rand(num_layers, num_tokens, NUM_EXPERTS, generator=gen).topk(TOPK, -1).indices
-
-
-def _as_map(ids):
-    return torch.zeros(ids.shape[0], NUM_EXPERTS, dtype=torch.bool).scatter(1, ids, True)
-
-
 def _forced(tokens, seed=0, no_route_every=0, **kwargs):
-    ids = _random_routes(len(MOE_LAYERS), tokens.numel(), seed)
+    ids = random_routes(len(MOE_LAYERS), tokens.numel(), seed)
     if no_route_every:
         ids[:, ::no_route_every] = -1
     return MoERouting(MOE_LAYERS, expert_ids=ids, **kwargs)
@@ -101,34 +89,6 @@ def _moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-@contextmanager
-def _routing_maps(model):
-    """{router layer: [routing_map per call]} of every router of the model."""
-    seen = {}
-    handles = []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-
-            def hook(router, args, output):
-                seen.setdefault(router.moe_routing_layer_number, []).append(output[1].clone())
-
-            handles.append(module.register_forward_hook(hook))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _run(model, batch, routing, backward=True):
-    tokens, position_ids, labels = batch
-    model.zero_grad(set_to_none=True)
-    loss = model(
-        tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing}
-    )
-    if backward:
-        loss.sum().backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if backward}
 
 
 class TestMoERoutingRouter:
@@ -191,12 +151,12 @@ class TestMoERoutingRouter:
     def test_every_score_function_replays_exactly_with_router_grads(self, variant):
         router = self._router(**self.VARIANTS[variant])
         hidden = torch.randn(6, 3, HIDDEN, requires_grad=True)
-        ids = _random_routes(1, 18, seed=11)
+        ids = random_routes(1, 18, seed=11)
         routing = MoERouting([self.LAYER], expert_ids=ids, every_token_routed=True)
 
         probs, routing_map = router(hidden, moe_routing=routing)
 
-        assert torch.equal(routing_map, _as_map(ids[0]))
+        assert torch.equal(routing_map, as_routing_map(ids[0]))
         logits = torch.nn.functional.linear(
             hidden.detach().view(-1, HIDDEN), router.weight.detach()
         )
@@ -209,7 +169,7 @@ class TestMoERoutingRouter:
         router = self._router(**self.VARIANTS[variant])
         hidden = torch.randn(6, 3, HIDDEN)
         live_probs, live_map = router(hidden)
-        ids = _random_routes(1, 18, seed=5)
+        ids = random_routes(1, 18, seed=5)
         no_route = torch.zeros(18, dtype=torch.bool)
         no_route[::3] = True
         ids[0, no_route] = -1
@@ -218,14 +178,14 @@ class TestMoERoutingRouter:
 
         assert torch.equal(routing_map[no_route], live_map[no_route])
         torch.testing.assert_close(probs[no_route], live_probs[no_route])
-        assert torch.equal(routing_map[~no_route], _as_map(ids[0].clamp(min=0))[~no_route])
+        assert torch.equal(routing_map[~no_route], as_routing_map(ids[0].clamp(min=0))[~no_route])
         # -1 is never replayed as an expert id: the live rows do not all land on expert 0.
         assert not routing_map[no_route][:, 0].all()
 
     def test_every_token_routed_runs_no_live_top_k(self, monkeypatch):
         router = self._router()
         hidden = torch.randn(6, 3, HIDDEN)
-        ids = _random_routes(1, 18, seed=6)
+        ids = random_routes(1, 18, seed=6)
         calls = []
         real_topk = torch.topk
         monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or real_topk(*a, **k))
@@ -241,7 +201,7 @@ class TestMoERoutingRouter:
         router = self._router(
             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
         )
-        ids = _random_routes(1, 18, seed=2)
+        ids = random_routes(1, 18, seed=2)
         router.local_tokens_per_expert.zero_()
         router(torch.randn(6, 3, HIDDEN), moe_routing=MoERouting([self.LAYER], expert_ids=ids))
         want = torch.bincount(ids[0].flatten(), minlength=NUM_EXPERTS).float()
@@ -264,7 +224,7 @@ class TestMoERoutingRouter:
     @pytest.mark.parametrize("every_token_routed", [True, False])
     def test_replay_forward_and_backward_do_not_sync_the_device(self, every_token_routed):
         router = self._router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
-        ids = _random_routes(1, 18, seed=4).cuda()
+        ids = random_routes(1, 18, seed=4).cuda()
         if not every_token_routed:
             ids[0, ::3] = -1
 
@@ -285,7 +245,7 @@ class TestMoERoutingRouter:
     def test_a_router_replay_action_and_a_moe_routing_are_exclusive(self):
         router = self._router()
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-        ids = _random_routes(1, 18)
+        ids = random_routes(1, 18)
         with pytest.raises(ValueError, match="use one of the two"):
             router(torch.randn(6, 3, HIDDEN), moe_routing=MoERouting([self.LAYER], expert_ids=ids))
 
@@ -311,21 +271,21 @@ class TestMoERoutingInGPTModel:
 
     def test_the_routes_taken_are_the_given_routes(self):
         model = _gpt(_config())
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], seed=1, every_token_routed=True)
         assert model.decoder.moe_layer_numbers == MOE_LAYERS
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing)
         for row, layer in enumerate(MOE_LAYERS):
-            assert torch.equal(seen[layer][0], _as_map(routing.expert_ids[row]))
+            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
 
     @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
     def test_recompute_replays_the_same_routes_bit_for_bit(self, recompute):
-        batch = _batch()
-        want_loss, want_grads = _run(_gpt(_config()), batch, _forced(batch[0], 9, 4))
+        batch = make_batch()
+        want_loss, want_grads = run_model(_gpt(_config()), batch, _forced(batch[0], 9, 4))
         model = _gpt(_config(**self.RECOMPUTE[recompute]))
-        with _routing_maps(model) as seen:
-            loss, grads = _run(model, batch, _forced(batch[0], 9, 4))
+        with routing_maps(model) as seen:
+            loss, grads = run_model(model, batch, _forced(batch[0], 9, 4))
         assert torch.equal(loss, want_loss)
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
@@ -334,39 +294,39 @@ class TestMoERoutingInGPTModel:
 
     def test_a_forward_only_pass_leaves_nothing_for_the_next_step(self):
         model = _gpt(_config(**self.RECOMPUTE["full_uniform"]))
-        batch = _batch()
+        batch = make_batch()
         with torch.no_grad():
-            _run(model, batch, _forced(batch[0], seed=100), backward=False)
+            run_model(model, batch, _forced(batch[0], seed=100), backward=False)
         routing = _forced(batch[0], seed=200)
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing)
         for row, layer in enumerate(MOE_LAYERS):
-            want = _as_map(routing.expert_ids[row])
+            want = as_routing_map(routing.expert_ids[row])
             assert len(seen[layer]) == 2 and all(torch.equal(m, want) for m in seen[layer])
 
     def test_two_models_in_one_process_replay_independently(self):
         policy, reference = _gpt(_config(), seed=1), _gpt(_config(), seed=2)
-        batch = _batch()
+        batch = make_batch()
         policy_routes, reference_routes = _forced(batch[0], 10), _forced(batch[0], 20)
-        with _routing_maps(policy) as seen_policy, _routing_maps(reference) as seen_reference:
+        with routing_maps(policy) as seen_policy, routing_maps(reference) as seen_reference:
             loss = policy(
                 *batch[:2], None, labels=batch[2], extra_block_kwargs={"moe_routing": policy_routes}
             )
             with torch.no_grad():
-                _run(reference, batch, reference_routes, backward=False)
+                run_model(reference, batch, reference_routes, backward=False)
             loss.sum().backward()
         for row, layer in enumerate(MOE_LAYERS):
-            assert torch.equal(seen_policy[layer][0], _as_map(policy_routes.expert_ids[row]))
-            assert torch.equal(seen_reference[layer][0], _as_map(reference_routes.expert_ids[row]))
+            assert torch.equal(seen_policy[layer][0], as_routing_map(policy_routes.expert_ids[row]))
+            assert torch.equal(seen_reference[layer][0], as_routing_map(reference_routes.expert_ids[row]))
 
     def test_memory_stays_flat_over_2000_microbatches(self):
         model = _gpt(_config(num_layers=2, moe_layer_freq=[0, 1]))
-        tokens, position_ids, _ = _batch(batch_size=1, seq=4)
+        tokens, position_ids, _ = make_batch(batch_size=1, seq=4)
 
         def microbatch(i):
             # A training-mode forward whose graph is dropped without a backward: the case
             # where upstream's FIFO keeps every entry.
-            routing = MoERouting([2], expert_ids=_random_routes(1, 4, seed=i))
+            routing = MoERouting([2], expert_ids=random_routes(1, 4, seed=i))
             model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
 
         def tensor_count():
@@ -383,9 +343,9 @@ class TestMoERoutingInGPTModel:
     def test_float16module_passes_the_routes_and_the_router_gets_grads(self):
         config = _config(bf16=True, params_dtype=torch.bfloat16, moe_router_dtype="fp32")
         model = Float16Module(config, _gpt(config))
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], seed=31, no_route_every=3)
-        with _routing_maps(model.module) as seen:
+        with routing_maps(model.module) as seen:
             loss = model(
                 *batch[:2], None, labels=batch[2], extra_block_kwargs={"moe_routing": routing}
             )
@@ -393,7 +353,7 @@ class TestMoERoutingInGPTModel:
         for row, layer in enumerate(MOE_LAYERS):
             ids = routing.expert_ids[row]
             routed = (ids >= 0).all(dim=-1)
-            assert torch.equal(seen[layer][0][routed], _as_map(ids[routed]))
+            assert torch.equal(seen[layer][0][routed], as_routing_map(ids[routed]))
         assert all(m.router.weight.grad.abs().sum() > 0 for m in _moe_layers(model.module))
 
     BAD_SHAPES = {
@@ -424,12 +384,12 @@ class TestMoERoutingInGPTModel:
         model = _gpt(
             _config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
         )
-        batch = _batch()
+        batch = make_batch()
         ran = []
         for layer in model.decoder.layers:
             layer.register_forward_pre_hook(lambda *args: ran.append("layer"))
         with pytest.raises(ValueError, match=message):
-            _run(model, batch, make(_random_routes(3, batch[0].numel(), seed=3)), backward=False)
+            run_model(model, batch, make(random_routes(3, batch[0].numel(), seed=3)), backward=False)
         assert ran == []
         assert all(m.router.local_tokens_per_expert.sum() == 0 for m in _moe_layers(model))
 
@@ -444,9 +404,9 @@ class TestMoERoutingInGPTModel:
     @pytest.mark.parametrize("option", sorted(REFUSED))
     def test_configurations_that_would_not_take_the_routes_are_refused(self, option):
         model = _gpt(_config(**self.REFUSED[option]))
-        batch = _batch()
+        batch = make_batch()
         with pytest.raises(ValueError, match=option):
-            _run(model, batch, _forced(batch[0]), backward=False)
+            run_model(model, batch, _forced(batch[0]), backward=False)
 
     def test_cuda_graphs_are_refused_for_moe_routing_only(self):
         config = _config()
@@ -454,11 +414,11 @@ class TestMoERoutingInGPTModel:
         model = _gpt(_config())
         model.decoder.config = config
         with pytest.raises(ValueError, match="cuda_graph_impl"):
-            _run(model, _batch(), _forced(_batch()[0]), backward=False)
+            run_model(model, make_batch(), _forced(make_batch()[0]), backward=False)
 
     def test_the_combined_1f1b_schedule_plan_refuses_moe_routing(self):
         model = _gpt(_config())
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm"):
             model.build_schedule_plan(
                 tokens, position_ids, None, extra_block_kwargs={"moe_routing": _forced(tokens)}
@@ -467,24 +427,24 @@ class TestMoERoutingInGPTModel:
     def test_mtp_layers_replay_given_routes_and_route_live_otherwise(self):
         config = _config(mtp_num_layers=1)
         model = _gpt(config, mtp=True)
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         mtp_layer = config.num_layers + 1
-        ids = _random_routes(4, tokens.numel(), seed=41)
+        ids = random_routes(4, tokens.numel(), seed=41)
 
         def forward(routing):
             # Evaluation: the MTP layer runs; its training-only loss logging (CUDA-only) does not.
             model.eval()
-            with torch.no_grad(), _routing_maps(model) as seen:
+            with torch.no_grad(), routing_maps(model) as seen:
                 model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
             return seen
 
         live = forward(MoERouting(MOE_LAYERS, expert_ids=ids[:3]))
         replayed = forward(MoERouting(MOE_LAYERS + [mtp_layer], expert_ids=ids))
-        assert torch.equal(replayed[mtp_layer][0], _as_map(ids[3]))
-        assert not torch.equal(live[mtp_layer][0], _as_map(ids[3]))
+        assert torch.equal(replayed[mtp_layer][0], as_routing_map(ids[3]))
+        assert not torch.equal(live[mtp_layer][0], as_routing_map(ids[3]))
         for row, layer in enumerate(MOE_LAYERS):
             assert torch.equal(live[layer][0], replayed[layer][0])
-            assert torch.equal(replayed[layer][0], _as_map(ids[row]))
+            assert torch.equal(replayed[layer][0], as_routing_map(ids[row]))
 
 
 class TestRoutingReplayConfig:
@@ -579,7 +539,7 @@ class TestReplayUnderRouterFusion:
     ):
         fused, unfused = self._routers(**self.VARIANTS[variant])
         hidden = torch.randn(6, 3, HIDDEN)
-        ids = _random_routes(1, 18, seed=13)
+        ids = random_routes(1, 18, seed=13)
         if not every_token_routed:
             ids[0, ::4] = -1
 
@@ -594,7 +554,7 @@ class TestReplayUnderRouterFusion:
         assert fused_calls == []
         want = self._forward_backward(unfused, hidden, moe_routing=routing())
         routed = ids[0, :, 0] >= 0
-        assert torch.equal(routing_map[routed], _as_map(ids[0][routed]))
+        assert torch.equal(routing_map[routed], as_routing_map(ids[0][routed]))
         assert torch.equal(routing_map, want[1])
         torch.testing.assert_close(probs, want[0], rtol=0, atol=0)
         torch.testing.assert_close(weight_grad, want[2], rtol=0, atol=0)
@@ -608,7 +568,7 @@ class TestReplayUnderRouterFusion:
         assert fused_calls == [(18, NUM_EXPERTS)]
         # A MoERouting that neither replays nor records this layer does not need the hook.
         fused(hidden, moe_routing=MoERouting([self.LAYER]))
-        fused(hidden, moe_routing=MoERouting([self.LAYER + 1], expert_ids=_random_routes(1, 18)))
+        fused(hidden, moe_routing=MoERouting([self.LAYER + 1], expert_ids=random_routes(1, 18)))
         assert len(fused_calls) == 3
         want_probs, want_map = unfused(hidden)
         assert torch.equal(routing_map, want_map)
@@ -622,7 +582,7 @@ class TestReplayUnderRouterFusion:
             routing = MoERouting([self.LAYER], **kwargs)
             fused(hidden, moe_routing=routing)
             got = routing.recorded_expert_ids() if "record" in kwargs else routing.live_expert_ids()
-            assert torch.equal(_as_map(got[0]), want_map)
+            assert torch.equal(as_routing_map(got[0]), want_map)
         assert fused_calls == []
 
     def test_router_replay_actions_take_the_unfused_top_k(self, fused_calls):
@@ -633,13 +593,13 @@ class TestReplayUnderRouterFusion:
 
         replay.set_router_replay_action(RouterReplayAction.RECORD)
         fused(hidden)
-        assert torch.equal(_as_map(replay.get_recorded_indices()), want_map)
+        assert torch.equal(as_routing_map(replay.get_recorded_indices()), want_map)
 
-        ids = _random_routes(1, 18, seed=21)[0]
+        ids = random_routes(1, 18, seed=21)[0]
         replay.set_target_indices(ids)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         probs, routing_map, weight_grad, _ = self._forward_backward(fused, hidden)
-        assert torch.equal(routing_map, _as_map(ids))
+        assert torch.equal(routing_map, as_routing_map(ids))
         unfused.router_replay.set_target_indices(ids)
         unfused.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         want = self._forward_backward(unfused, hidden)
@@ -648,7 +608,7 @@ class TestReplayUnderRouterFusion:
 
         replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
         _, routing_map = fused(hidden)
-        assert torch.equal(routing_map, _as_map(ids))
+        assert torch.equal(routing_map, as_routing_map(ids))
         assert fused_calls == []
 
         replay.clear_router_replay_action()
@@ -659,17 +619,17 @@ class TestReplayUnderRouterFusion:
         self, fused_calls
     ):
         model = _gpt(_config(moe_router_fusion=True))
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], seed=5, no_route_every=3)
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing)
         assert fused_calls == []
         for row, layer in enumerate(MOE_LAYERS):
             ids = routing.expert_ids[row]
             routed = ids[:, 0] >= 0
-            assert torch.equal(seen[layer][0][routed], _as_map(ids[routed]))
+            assert torch.equal(seen[layer][0][routed], as_routing_map(ids[routed]))
         assert all(m.router.weight.grad.abs().sum() > 0 for m in _moe_layers(model))
-        _run(model, batch, None, backward=False)
+        run_model(model, batch, None, backward=False)
         assert len(fused_calls) == len(MOE_LAYERS)
 
 
@@ -684,17 +644,17 @@ class TestMoERoutingRecording:
 
     def test_record_then_replay_reproduces_logits_and_routes(self):
         model = _gpt(_config())
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         record = MoERouting(MOE_LAYERS, record=True)
         model.eval()
-        with torch.no_grad(), _routing_maps(model) as first:
+        with torch.no_grad(), routing_maps(model) as first:
             logits = model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": record})
         recorded = record.recorded_expert_ids()
         assert recorded.shape == (3, tokens.numel(), TOPK) and recorded.dtype == torch.int64
 
         model.train()
         replay = MoERouting(MOE_LAYERS, expert_ids=recorded, every_token_routed=True)
-        with _routing_maps(model) as second:
+        with routing_maps(model) as second:
             replayed = model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": replay})
         torch.testing.assert_close(replayed, logits, rtol=0, atol=0)
         for layer in MOE_LAYERS:
@@ -705,22 +665,22 @@ class TestMoERoutingRecording:
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
         model = _gpt(config)
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], seed=8, no_route_every=3, record=True)
-        with _routing_maps(model) as seen:
-            _run(model, batch, routing)
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing)
         recorded = routing.recorded_expert_ids()
         routed = routing.expert_ids[..., 0] >= 0
         assert torch.equal(recorded[routed], routing.expert_ids[routed])
         assert (recorded >= 0).all()
         for row, layer in enumerate(MOE_LAYERS):
-            assert torch.equal(seen[layer][1], _as_map(recorded[row]))
+            assert torch.equal(seen[layer][1], as_routing_map(recorded[row]))
 
     def test_nothing_is_recorded_unless_asked(self):
         model = _gpt(_config())
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0])
-        _run(model, batch, routing, backward=False)
+        run_model(model, batch, routing, backward=False)
         with pytest.raises(RuntimeError, match="recorded nothing"):
             routing.recorded_expert_ids()
 
@@ -736,24 +696,24 @@ class TestMoERoutingLiveRoutes:
 
     def test_live_expert_ids_are_the_routers_own_choice_under_replay(self):
         model = _gpt(_config())
-        batch = _batch()
+        batch = make_batch()
         live = MoERouting(MOE_LAYERS, record=True)
         with torch.no_grad():
-            _run(model, batch, live, backward=False)
+            run_model(model, batch, live, backward=False)
         # Replaying in the first layer changes what later layers see; replay only layer 2.
-        ids = torch.cat([_random_routes(1, batch[0].numel(), 12), live.recorded_expert_ids()[1:]])
+        ids = torch.cat([random_routes(1, batch[0].numel(), 12), live.recorded_expert_ids()[1:]])
         replayed = MoERouting(MOE_LAYERS, expert_ids=ids, keep_live_routes=True, record=True)
         with torch.no_grad():
-            _run(model, batch, replayed, backward=False)
+            run_model(model, batch, replayed, backward=False)
         assert torch.equal(replayed.live_expert_ids()[0], live.recorded_expert_ids()[0])
         assert torch.equal(replayed.recorded_expert_ids(), ids)
         assert not torch.equal(replayed.live_expert_ids()[0], ids[0])
 
     def test_live_routes_are_kept_only_on_request(self):
         model = _gpt(_config())
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], every_token_routed=True)
-        _run(model, batch, routing, backward=False)
+        run_model(model, batch, routing, backward=False)
         with pytest.raises(RuntimeError, match="kept no live routes"):
             routing.live_expert_ids()
 
@@ -790,18 +750,18 @@ class TestMoERoutingValueCheck:
     def test_bad_ids_fail_naming_sample_position_and_layer(self, case):
         mutate, message = self.BAD_IDS[case]
         model = _gpt(_config(moe_routing_replay_check_values=True))
-        batch = _batch()
+        batch = make_batch()
         routing = _forced(batch[0], seed=3)
         mutate(routing.expert_ids)
         with pytest.raises(ValueError, match=message):
-            _run(model, batch, routing, backward=False)
+            run_model(model, batch, routing, backward=False)
 
     def test_the_check_is_off_by_default(self, monkeypatch):
         assert not _config().moe_routing_replay_check_values
         model = _gpt(_config())
-        batch = _batch()
+        batch = make_batch()
         monkeypatch.setattr(MoERouting, "check_values", lambda *a: pytest.fail("value check ran"))
-        _run(model, batch, _forced(batch[0]), backward=False)
+        run_model(model, batch, _forced(batch[0]), backward=False)
 
 
 class TestHostTokensPerExpert:
@@ -821,21 +781,21 @@ class TestHostTokensPerExpert:
         )[None]
 
     def _routing(self, batch, counts=None):
-        ids = _random_routes(3, batch[0].numel(), seed=17)
+        ids = random_routes(3, batch[0].numel(), seed=17)
         counts = self._counts(ids) if counts is None else counts(self._counts(ids))
         return MoERouting(
             MOE_LAYERS, expert_ids=ids, every_token_routed=True, host_tokens_per_expert=counts
         )
 
     def test_host_counts_give_identical_results_without_counting_on_the_device(self, monkeypatch):
-        batch = _batch()
+        batch = make_batch()
         with_counts = self._routing(batch)
         plain = MoERouting(MOE_LAYERS, expert_ids=with_counts.expert_ids, every_token_routed=True)
-        want_loss, want_grads = _run(_gpt(_config()), batch, plain)
+        want_loss, want_grads = run_model(_gpt(_config()), batch, plain)
         monkeypatch.setattr(
             MoEAlltoAllTokenDispatcher, "preprocess", lambda *a: pytest.fail("counted on device")
         )
-        loss, grads = _run(_gpt(_config()), batch, with_counts)
+        loss, grads = run_model(_gpt(_config()), batch, with_counts)
         assert torch.equal(loss, want_loss)
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
@@ -848,15 +808,15 @@ class TestHostTokensPerExpert:
             column[[first, second]] = column[[second, first]]
             return counts
 
-        batch = _batch()
+        batch = make_batch()
         with pytest.raises(RuntimeError, match="host_tokens_per_expert differs"):
-            _run(_gpt(_config()), batch, self._routing(batch, swapped), backward=False)
+            run_model(_gpt(_config()), batch, self._routing(batch, swapped), backward=False)
         # Negative control: with the check off the step runs, on wrong split sizes.
         model = _gpt(_config(moe_check_host_tokens_per_expert=False))
-        _run(model, batch, self._routing(batch, swapped), backward=False)
+        run_model(model, batch, self._routing(batch, swapped), backward=False)
 
     def test_counts_wrong_in_sum_are_refused_on_the_host(self):
-        batch = _batch()
+        batch = make_batch()
 
         def one_more(counts):
             counts = counts.clone()
@@ -864,22 +824,22 @@ class TestHostTokensPerExpert:
             return counts
 
         with pytest.raises(ValueError, match="counts 65 routed tokens for this rank"):
-            _run(_gpt(_config()), batch, self._routing(batch, one_more), backward=False)
+            run_model(_gpt(_config()), batch, self._routing(batch, one_more), backward=False)
 
     def test_host_counts_need_routes_for_every_token(self):
-        batch = _batch()
+        batch = make_batch()
         routing = self._routing(batch)
         routing.every_token_routed = False
         with pytest.raises(ValueError, match="needs routes for every token"):
-            _run(_gpt(_config()), batch, routing, backward=False)
+            run_model(_gpt(_config()), batch, routing, backward=False)
 
     def test_the_allgather_dispatcher_ignores_host_counts(self):
-        batch = _batch()
+        batch = make_batch()
         config = _config(moe_token_dispatcher_type="allgather")
-        want, _ = _run(
+        want, _ = run_model(
             _gpt(config), batch, _forced(batch[0], seed=17, every_token_routed=True), False
         )
-        got, _ = _run(_gpt(config), batch, self._routing(batch), backward=False)
+        got, _ = run_model(_gpt(config), batch, self._routing(batch), backward=False)
         assert torch.equal(got, want)
 
 
@@ -899,36 +859,36 @@ class TestRouterReplayOnThePatchedTree:
     def test_record_and_replay_forward(self):
         model = _gpt(_config())
         assert len(RouterReplay.global_router_replay_instances) == len(MOE_LAYERS)
-        tokens, position_ids, _ = _batch()
+        tokens, position_ids, _ = make_batch()
         RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-        with torch.no_grad(), _routing_maps(model) as live:
+        with torch.no_grad(), routing_maps(model) as live:
             model(tokens, position_ids, None)
         recorded = RouterReplay.get_recorded_data()
-        forced = list(_random_routes(3, tokens.numel(), seed=8))
+        forced = list(random_routes(3, tokens.numel(), seed=8))
         RouterReplay.set_replay_data(forced)
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        with torch.no_grad(), _routing_maps(model) as seen:
+        with torch.no_grad(), routing_maps(model) as seen:
             model(tokens, position_ids, None)
         for row, layer in enumerate(MOE_LAYERS):
-            assert torch.equal(_as_map(recorded[row]), live[layer][0])
-            assert torch.equal(seen[layer][0], _as_map(forced[row]))
+            assert torch.equal(as_routing_map(recorded[row]), live[layer][0])
+            assert torch.equal(seen[layer][0], as_routing_map(forced[row]))
 
     def test_replay_backward_pops_the_fifo_in_the_recompute(self):
         config = _config(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
         model = _gpt(config)
-        tokens, position_ids, labels = _batch()
-        forced = list(_random_routes(3, tokens.numel(), seed=21))
+        tokens, position_ids, labels = make_batch()
+        forced = list(random_routes(3, tokens.numel(), seed=21))
         RouterReplay.set_replay_data(forced)
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        with _routing_maps(model) as seen:
+        with routing_maps(model) as seen:
             loss = model(tokens, position_ids, None, labels=labels)
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             loss.sum().backward()
         for row, layer in enumerate(MOE_LAYERS):
             assert len(seen[layer]) == 2
-            assert all(torch.equal(m, _as_map(forced[row])) for m in seen[layer])
+            assert all(torch.equal(m, as_routing_map(forced[row])) for m in seen[layer])
         assert all(
             r.replay_backward_list == [] for r in RouterReplay.global_router_replay_instances
         )
