@@ -67,14 +67,33 @@ every decoder layer.
   of ``n`` response dicts it returns for ``sampling_params.n > 1`` (then ``reward``,
   if given, is a list of ``n``);
 * ``meta_info`` may carry ``routed_experts_dtype`` (``int32``, ``uint16``, ``uint8``: the
-  compact wire format of sglang #31219; int32 when absent) and ``routed_experts_start_len``
-  (the request's: the routes start at that token, earlier ones have none);
+  compact wire format of sglang #31219; int32 when absent);
+* ``routed_experts_start_len`` (optional, default 0) is the request's: the routes start at
+  that token, earlier ones have none (SGLang does not echo it in the response);
 * ``input_ids`` is the request's prompt token ids. SGLang does not return them
   unless asked: without ``input_ids`` the prompt comes from the response's
   ``prompt_token_ids`` (request ``return_prompt_token_ids=True``) or from
   ``input_token_logprobs`` when it covers the whole prompt (``logprob_start_len=0``);
   otherwise the line is refused. ``input_token_logprobs`` covering only the end of
   the prompt (``logprob_start_len > 0``) gives those tokens' log-probs, the others are 0.
+
+``response`` may instead be a ``/v1/completions`` response (told by its ``choices``; request
+``return_routed_experts=True``, ``return_token_ids=True``, ``logprobs`` 0 or more, ``n=1``)::
+
+    {"routed_experts_start_len": 0,
+     "response": {"id": "cmpl-5f1c", "object": "text_completion",
+                  "choices": [{"index": 0, "text": "...", "token_ids": [9707, 11, ...],
+                               "prompt_token_ids": [151644, 872, ...],
+                               "logprobs": {"token_logprobs": [-0.31, ...], ...},
+                               "finish_reason": "length"}],
+                  "sglext": {"routed_experts": "<base64 [T - 1, num_layers, topk]>",
+                             "routed_experts_dtype": "uint8"}},
+     "reward": 1.0}
+
+* ``sglext`` is the response's (SGLang fills it from the first choice only, so a
+  response of several choices is refused); ``routed_experts_dtype`` as above;
+* ``token_logprobs`` has one entry per completion token, or with ``echo`` one per
+  prompt token first; ``input_ids`` may replace ``prompt_token_ids``.
 
 ``--engine megatron``: Megatron's inference engine (0.19), one ``/v1/completions``
 response of its text-generation server, or one finished request as serialised::
@@ -118,7 +137,7 @@ from typing import Any, Iterator, Optional, TextIO
 import numpy as np
 
 from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_samples, vllm_samples
+from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_openai_sample, sglang_samples, vllm_samples
 from megatron_r3.dataplane.output_files import atomic_output
 from megatron_r3.dataplane.jsonl import json_line
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -202,12 +221,19 @@ def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int]
 
 def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
                         route_layers: str = "moe") -> list[RolloutSample]:
-    """The samples of one ``--engine sglang`` line (a parsed JSON object)."""
+    """The samples of one ``--engine sglang`` line (a parsed JSON object): ``/generate`` or ``/v1/completions``."""
     response = _field(record, "response", "SGLang line", (dict, list))
-    responses = response if isinstance(response, list) else [response]
+    start_len = record.get("routed_experts_start_len", 0)
+    if isinstance(start_len, bool) or not isinstance(start_len, int):
+        raise InputLineError(f"SGLang line: 'routed_experts_start_len' must be an integer, got {_json_type(start_len)}")
     reward = record.get("reward")
+    if isinstance(response, dict) and "choices" in response:  # /v1/completions, told by its field
+        return [sglang_openai_sample(response, record.get("input_ids"), spec, reward=reward, vocab_size=vocab_size,
+                                     start_len=start_len)]
+    responses = response if isinstance(response, list) else [response]
     rewards = None if reward is None else (reward if isinstance(reward, list) else [reward])
-    return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards, vocab_size=vocab_size)
+    return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards, vocab_size=vocab_size,
+                          start_len=start_len)
 
 
 def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,

@@ -12,7 +12,7 @@ Conventions (per sample of ``num_tokens = prompt + generated`` tokens):
   is ``np.int32 [num_tokens - 1, num_hidden_layers, topk]``; dense layers are
   zero rows; the final sampled token was never run, so it has no row and
   has no route
-  (vllm/outputs.py and fused_moe/routed_experts_capturer.py, the latter int32
+  (vllm/outputs.py at vllm-project/vllm@003d3ee2; fused_moe/routed_experts_capturer.py, int32
   ``[tokens, num_hidden_layers, num_experts_per_tok]`` at vllm-project/vllm@00bd1493).
 * vLLM split layout (``AuxOutputConfig(enable_return_routed_experts=True)``, the
   auxiliary-output connector): ``RequestOutput.prompt_routed_experts`` holds the
@@ -27,11 +27,17 @@ Conventions (per sample of ``num_tokens = prompt + generated`` tokens):
   field (present, even None: split), never by array shapes.
 * SGLang (``--enable-return-routed-experts``): ``meta_info["routed_experts"]`` is
   base64 of flattened little-endian int32 with logical shape
-  ``[num_tokens - 1, num_layers, topk]``; same conventions as vLLM. The request's
-  ``routed_experts_start_len`` (echoed in ``meta_info``) starts the rows at that
-  token; the compact wire format (sglang #31219) names its dtype (``int32``,
-  ``uint16``, ``uint8``) in ``meta_info["routed_experts_dtype"]``. The OpenAI
-  endpoints carry the same fields in a choice's ``sgl_ext`` (sglang #17434).
+  ``[num_tokens - 1, num_layers, topk]``; same conventions as vLLM
+  (layers/moe/routed_experts_capturer.py ``get_routed_experts`` at sgl-project/sglang@d4d0fc58).
+  The request's ``routed_experts_start_len`` starts the rows at that token; the
+  response does not repeat it (``GenerateReqInput`` in managers/io_struct.py at
+  sgl-project/sglang@a6463a10). The compact wire format names its dtype (``int32``,
+  ``uint16``, ``uint8``) in ``meta_info["routed_experts_dtype"]``, int32 when absent
+  (state_capturer/routed_experts_wire.py at sgl-project/sglang@a6463a10, sglang #31219).
+  ``/v1/completions`` returns ``routed_experts`` and ``routed_experts_dtype`` in the
+  response's ``sglext`` object, built from the first of its ``n`` choices only
+  (entrypoints/openai/protocol.py ``SglExt`` and serving_completions.py at
+  sgl-project/sglang@a6463a10; sglang #17434).
 * Megatron inference (0.19): ``DynamicInferenceRequest.routing_indices`` is int32
   ``[num_tokens - 1, num_moe_layers, topk]`` (one row per ``RouterReplay``, i.e. per
   MoE layer), rebuilt per KV block; the OpenAI server returns it as a choice's
@@ -204,19 +210,19 @@ SGLANG_WIRE_DTYPES = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
 
 def from_sglang(
     meta_info: Union[dict, str, bytes], spec: RoutingSpec, *, num_tokens: Optional[int] = None,
-    sample: Optional[int] = None, start_len: Optional[int] = None, field: str = "SGLang meta_info",
+    sample: Optional[int] = None, start_len: int = 0, field: str = "SGLang meta_info",
 ) -> RolloutRoutes:
     """SGLang ``meta_info["routed_experts"]``: base64 of flattened ``[num_tokens - 1 - start_len, num_layers, topk]``.
 
     Args:
-        meta_info: The response's ``meta_info`` dict (or a choice's ``sgl_ext``), or its
-            ``routed_experts`` payload (base64, or an already decoded integer array).
+        meta_info: The response's ``meta_info`` dict (or an OpenAI response's ``sglext``), or
+            its ``routed_experts`` payload (base64, or an already decoded integer array).
         spec: The model.
         num_tokens: The sample's token count; default ``prompt_tokens +
             completion_tokens`` from ``meta_info`` when present.
         sample: Sample index for error messages.
         start_len: The request's ``routed_experts_start_len`` (tokens before it have no row and
-            no route); default ``meta_info["routed_experts_start_len"]``, else 0.
+            no route; SGLang does not echo it).
         field: What ``meta_info`` is, for messages.
 
     The payload's dtype is ``meta_info["routed_experts_dtype"]`` (``int32``, ``uint16`` or
@@ -233,10 +239,8 @@ def from_sglang(
         payload = meta_info["routed_experts"]
         if num_tokens is None and "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
             num_tokens = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"])
-        if start_len is None:
-            start_len = meta_info.get("routed_experts_start_len")
         dtype_name = meta_info.get("routed_experts_dtype") or "int32"
-    start_len = _count_field(0 if start_len is None else start_len, "routed_experts_start_len", field, sample)
+    start_len = _start_len(start_len, num_tokens, sample)
     field = f"{field}['routed_experts']"
     if dtype_name not in SGLANG_WIRE_DTYPES:
         raise RoutingValidationError(
@@ -278,21 +282,35 @@ def from_sglang(
 
 
 def from_sglang_openai(
-    choice: dict, spec: RoutingSpec, *, num_tokens: int, sample: Optional[int] = None,
-    start_len: Optional[int] = None,
+    response: dict, spec: RoutingSpec, *, num_tokens: int, sample: Optional[int] = None, start_len: int = 0,
 ) -> RolloutRoutes:
-    """A choice of SGLang's ``/v1/completions`` or ``/v1/chat/completions`` response (``return_routed_experts``).
+    """The routes of an SGLang ``/v1/completions`` response (request ``return_routed_experts``).
 
-    The routes are the choice's ``sgl_ext`` (``routed_experts``, ``routed_experts_dtype``,
-    ``routed_experts_start_len``), read as :func:`from_sglang` reads ``meta_info``.
+    They are the response's ``sglext`` (``routed_experts``, ``routed_experts_dtype``), read
+    as :func:`from_sglang` reads ``meta_info``. SGLang builds ``sglext`` from the first
+    choice only, so a response of several choices is refused: the others have no routes.
+
+    Args:
+        response: The response dict as the server returns it.
+        spec: The model.
+        num_tokens: Prompt plus generated tokens of the first choice.
+        sample: Sample index for error messages.
+        start_len: The request's ``routed_experts_start_len``.
     """
-    if not isinstance(choice, dict) or not isinstance(choice.get("sgl_ext"), dict):
+    where = "the SGLang /v1/completions response"
+    if not isinstance(response, dict) or not isinstance(response.get("sglext"), dict):
         raise RoutingValidationError(
-            f"sample {sample}: the SGLang OpenAI choice has no sgl_ext object (request return_routed_experts=True "
-            f"on a server started with --enable-return-routed-experts?)"
+            f"sample {sample}: {where} has no sglext object (request return_routed_experts=True on a server "
+            f"started with --enable-return-routed-experts?)"
         )
-    return from_sglang(choice["sgl_ext"], spec, num_tokens=num_tokens, sample=sample, start_len=start_len,
-                       field="SGLang choice sgl_ext")
+    choices = response.get("choices")
+    if isinstance(choices, list) and len(choices) > 1:
+        raise RoutingValidationError(
+            f"sample {sample}: {where} has {len(choices)} choices but sglext holds the routes of the first "
+            f"only (request n=1, or use /generate)"
+        )
+    return from_sglang(response["sglext"], spec, num_tokens=num_tokens, sample=sample, start_len=start_len,
+                       field="SGLang response sglext")
 
 
 def from_megatron_inference(
@@ -367,9 +385,15 @@ def route_array(value: Any, field: str, sample: Optional[int] = None) -> np.ndar
     return array
 
 
-def _count_field(value: Any, name: str, field: str, sample: Optional[int]) -> int:
+def _start_len(value: Any, num_tokens: Optional[int], sample: Optional[int]) -> int:
+    """The request's ``routed_experts_start_len``: a count within the sample's routed tokens."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise RoutingValidationError(f"sample {sample}: {field} {name} = {value!r} is not a count")
+        raise RoutingValidationError(f"sample {sample}: routed_experts_start_len = {value!r} is not a count")
+    if num_tokens is not None and value > num_tokens - 1:
+        raise RoutingValidationError(
+            f"sample {sample}: routed_experts_start_len {value} is beyond the {num_tokens - 1} routed tokens of a "
+            f"{num_tokens}-token sample (SGLang takes it within the prompt)"
+        )
     return int(value)
 
 

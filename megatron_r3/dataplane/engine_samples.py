@@ -22,7 +22,12 @@ so real vLLM objects, SGLang response dicts and look-alikes all work:
   ``input_ids``; without them the prompt ids come from the response's
   ``prompt_token_ids`` (request ``return_prompt_token_ids=True``) or from
   ``input_token_logprobs`` when it covers the whole prompt (request
-  ``logprob_start_len=0``), else the sample is refused.
+  ``logprob_start_len=0``), else the sample is refused. The request's
+  ``routed_experts_start_len`` (SGLang does not echo it) is passed as ``start_len``.
+* SGLang's ``/v1/completions`` (request ``return_routed_experts=True``,
+  ``return_token_ids=True``, ``logprobs`` 0 or more, ``n=1``): the response dict, its
+  first choice's ``token_ids``, ``prompt_token_ids`` and ``logprobs.token_logprobs``, and
+  the response's ``sglext`` (:func:`sglang_openai_sample`).
 
 * Megatron's inference engine (0.19): a finished ``DynamicInferenceRequest`` or a
   choice of its ``/v1/completions`` response (:func:`megatron_sample`).
@@ -58,7 +63,13 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_vllm, from_vllm_split
+from megatron_r3.dataplane.adapters import (
+    from_megatron_inference,
+    from_sglang,
+    from_sglang_openai,
+    from_vllm,
+    from_vllm_split,
+)
 from megatron_r3.dataplane.sample_checks import check_logprobs, logprob_value, loss_number, token_id_array
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
@@ -139,6 +150,7 @@ def sglang_sample(
     reward: Optional[float] = None,
     completion_index: int = 0,
     vocab_size: Optional[int] = None,
+    start_len: int = 0,
 ) -> RolloutSample:
     """The sample of one SGLang ``/generate`` response (one completion).
 
@@ -150,6 +162,7 @@ def sglang_sample(
         reward: Optional reward of this completion.
         completion_index: Which of the request's ``n`` completions this is (for ``meta``).
         vocab_size: The model's vocabulary, to refuse token ids outside it (None: ids below 2**31).
+        start_len: The request's ``routed_experts_start_len``: tokens before it have no route.
 
     Raises:
         RoutingValidationError: as :func:`vllm_samples`, and prompt ids that do not
@@ -182,7 +195,8 @@ def sglang_sample(
     start = len(prompt) - len(entries)
     prompt_logprobs[start:] = _sglang_logprobs(entries, prompt[start:], where, "input_token_logprobs", first=start)
     with _named(request_id):
-        routes = from_sglang(meta_info, spec, num_tokens=len(prompt) + len(output_ids), sample=completion_index)
+        routes = from_sglang(meta_info, spec, num_tokens=len(prompt) + len(output_ids), sample=completion_index,
+                             start_len=start_len)
     return _sample(prompt, output_ids, prompt_logprobs, generated, routes,
                    _meta("sglang", request_id, completion_index, meta_info.get("finish_reason"), reward, where))
 
@@ -194,6 +208,7 @@ def sglang_samples(
     *,
     rewards: Optional[Sequence[float]] = None,
     vocab_size: Optional[int] = None,
+    start_len: int = 0,
 ) -> list[RolloutSample]:
     """The samples of the ``n`` responses SGLang returns for one prompt (``sampling_params.n``).
 
@@ -203,6 +218,7 @@ def sglang_samples(
         spec: The trainer's model.
         rewards: Optional reward per response.
         vocab_size: The model's vocabulary (see :func:`sglang_sample`).
+        start_len: The request's ``routed_experts_start_len``.
     """
     if not responses:
         raise RoutingValidationError("no SGLang responses (the response list is empty)")
@@ -210,9 +226,81 @@ def sglang_samples(
         raise RoutingValidationError(f"{len(rewards)} rewards for {len(responses)} SGLang responses")
     return [
         sglang_sample(response, input_ids, spec, reward=None if rewards is None else rewards[i], completion_index=i,
-                      vocab_size=vocab_size)
+                      vocab_size=vocab_size, start_len=start_len)
         for i, response in enumerate(responses)
     ]
+
+
+def sglang_openai_sample(
+    response: dict, input_ids: Optional[Sequence[int]], spec: RoutingSpec, *, reward: Optional[float] = None,
+    vocab_size: Optional[int] = None, start_len: int = 0,
+) -> RolloutSample:
+    """The sample of one SGLang ``/v1/completions`` response (``n=1``).
+
+    Args:
+        response: The response dict as the server returns it: ``id``, ``choices`` (one, with
+            ``token_ids``, ``prompt_token_ids``, ``logprobs.token_logprobs``, ``finish_reason``)
+            and ``sglext`` (the routes).
+        input_ids: The request's prompt token ids; None: the choice's ``prompt_token_ids``.
+        spec: The trainer's model.
+        reward: Optional reward of the completion.
+        vocab_size: The model's vocabulary (see :func:`sglang_sample`).
+        start_len: The request's ``routed_experts_start_len``.
+
+    ``token_logprobs`` holds one entry per completion token or, with ``echo``, one per
+    prompt token first (the first of them null: 0).
+
+    Raises:
+        RoutingValidationError: as :func:`vllm_samples`, a response of several choices
+            (``sglext`` holds the first one's routes only) and prompt ids that do not
+            fit ``prompt_token_ids``.
+    """
+    if not isinstance(response, dict):
+        raise RoutingValidationError(f"SGLang /v1/completions response must be a JSON object, got "
+                                     f"{type(response).__name__}")
+    request_id = response.get("id")
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise RoutingValidationError(f"request {request_id!r}: SGLang /v1/completions response has no choice object")
+    choice = choices[0]
+    index = choice.get("index", 0)
+    where = f"request {request_id!r} sample {index}"
+    if choice.get("token_ids") is None:
+        raise RoutingValidationError(f"{where}: the SGLang choice has no token_ids (request return_token_ids=True)")
+    completion = _completion_ids(choice["token_ids"], where, "token_ids", vocab_size)
+    returned = choice.get("prompt_token_ids")
+    if input_ids is None and returned is None:
+        raise RoutingValidationError(f"{where}: the prompt ids are unknown: pass the request's input_ids, or request "
+                                     f"return_token_ids=True so that the choice carries prompt_token_ids")
+    prompt = token_id_array(returned if input_ids is None else input_ids, where,
+                            "prompt_token_ids" if input_ids is None else "input_ids", vocab_size)
+    if input_ids is not None and returned is not None and not np.array_equal(
+            prompt, token_id_array(returned, where, "prompt_token_ids", vocab_size)):
+        raise RoutingValidationError(f"{where}: input_ids ({len(prompt)} tokens) are not the choice's "
+                                     f"prompt_token_ids ({len(returned)} tokens)")
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(entries, list):
+        raise RoutingValidationError(f"{where}: the SGLang choice has no logprobs.token_logprobs (request logprobs=0 "
+                                     f"or more)")
+    prompt_logprobs = np.zeros(len(prompt), np.float32)
+    field = "logprobs.token_logprobs"
+    if len(entries) == len(prompt) + len(completion):  # echo: the prompt's entries come first
+        prompt_logprobs[:] = [0.0 if v is None else logprob_value(v, where, f"{field}[{i}]")
+                              for i, v in enumerate(entries[:len(prompt)])]
+        check_logprobs(prompt_logprobs, where, field)
+        entries, field = entries[len(prompt):], f"{field}[{len(prompt)}:]"
+    elif len(entries) != len(completion):
+        raise RoutingValidationError(
+            f"{where}: {field} has {len(entries)} entries for {len(completion)} completion tokens "
+            f"({len(prompt) + len(completion)} with echo)"
+        )
+    generated = _number_logprobs(entries, len(completion), where, field, len(prompt))
+    with _named(request_id):
+        routes = from_sglang_openai(response, spec, num_tokens=len(prompt) + len(completion), sample=index,
+                                    start_len=start_len)
+    return _sample(prompt, completion, prompt_logprobs, generated, routes,
+                   _meta("sglang", request_id, index, choice.get("finish_reason"), reward, where))
 
 
 def megatron_sample(
@@ -250,11 +338,11 @@ def megatron_sample(
     generated = get("generation_log_probs", "generated_log_probs")
     if generated is None:
         raise RoutingValidationError(f"{where}: Megatron returned no generation_log_probs (return_log_probs=True?)")
-    generated = _megatron_logprobs(_as_list(generated), len(completion), where, "generation_log_probs", len(prompt))
+    generated = _number_logprobs(_as_list(generated), len(completion), where, "generation_log_probs", len(prompt))
     prompt_logprobs = np.zeros(len(prompt), np.float32)
     prompt_given = get("prompt_log_probs")
     if prompt_given is not None and len(_as_list(prompt_given)):
-        prompt_logprobs[1:] = _megatron_logprobs(_as_list(prompt_given), len(prompt) - 1, where, "prompt_log_probs", 1)
+        prompt_logprobs[1:] = _number_logprobs(_as_list(prompt_given), len(prompt) - 1, where, "prompt_log_probs", 1)
     with _named(request_id):
         routes = from_megatron_inference(get("moe_topk_indices", "routing_indices"), spec,
                                          num_tokens=len(prompt) + len(completion),
@@ -270,7 +358,8 @@ def _as_list(values: Any) -> Any:
     return values.tolist() if hasattr(values, "tolist") and not isinstance(values, list) else values
 
 
-def _megatron_logprobs(values: Any, count: int, where: str, field: str, first: int) -> np.ndarray:
+def _number_logprobs(values: Any, count: int, where: str, field: str, first: int) -> np.ndarray:
+    """A list of ``count`` plain log-prob numbers (Megatron's, SGLang's OpenAI ``token_logprobs``)."""
     if not isinstance(values, (list, tuple)) or len(values) != count:
         raise RoutingValidationError(
             f"{where}: {field} has {len(values) if isinstance(values, (list, tuple)) else type(values).__name__} "

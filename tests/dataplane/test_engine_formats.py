@@ -14,9 +14,16 @@ Fixtures, each written from the engine's source at the named commit (read, not c
   ``output_dtype_name``, aux_output_connector/worker.py @ 0a0b7380).
 * SGLang: ``meta_info["routed_experts"]`` base64 of flat int32 ``[T - 1, num_hidden_layers,
   num_experts_per_tok]`` (python/sglang/srt/layers/moe/routed_experts_capturer.py @
-  sgl-project/sglang 0837e911); ``routed_experts_start_len`` (rows cover ``[start_len, T - 1)``,
-  GenerateReqInput in io_struct.py); the compact dtype named by ``routed_experts_dtype`` (int32,
-  uint16, uint8: sglang #31219, open); the OpenAI endpoints' choice ``sgl_ext`` (sglang #17434).
+  sgl-project/sglang 0837e911 for the buffer, @ d4d0fc58 for ``get_routed_experts`` and the
+  base64); the request's ``routed_experts_start_len`` (rows cover ``[start_len, T - 1)``, not
+  echoed: ``GenerateReqInput`` in python/sglang/srt/managers/io_struct.py @ a6463a10); the
+  compact dtype named by ``meta_info["routed_experts_dtype"]`` (int32, uint16, uint8; int32
+  when absent: python/sglang/srt/state_capturer/routed_experts_wire.py @ a6463a10, sglang
+  #31219); ``/v1/completions`` returns them in the response's ``sglext`` (``routed_experts``,
+  ``routed_experts_dtype``), built from the first choice only, and per choice ``token_ids``,
+  ``prompt_token_ids`` (``return_token_ids``) and ``logprobs.token_logprobs``
+  (python/sglang/srt/entrypoints/openai/protocol.py ``SglExt``, ``CompletionResponse`` and
+  serving_completions.py ``_build_completion_response`` @ a6463a10; sglang #17434).
 * Megatron inference: ``DynamicInferenceRequest.routing_indices`` int32 ``[T - 1, num_moe_layers,
   topk]`` (megatron/core/inference/inference_request.py, contexts/routing_metadata.py @
   NVIDIA/Megatron-LM core_v0.19.0 = 5be96267), serialised as ``("ndarray", {"data", "dtype"})``;
@@ -33,7 +40,8 @@ import pytest
 import torch
 
 from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_sglang_openai, from_vllm_split
-from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_sample, vllm_samples
+from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_openai_sample, sglang_sample, vllm_samples
 from megatron_r3.dataplane.packing import gather_routes
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import concat_routes
@@ -63,16 +71,35 @@ def vllm_split_request(truth, dtype, prompt_start=0, final_row=False):
                               base.outputs, prompt_routed_experts=truth.routes[prompt_start:p].astype(dtype))
 
 
-def sglang_compact(truth, dtype, start_len=0):
-    response = sglang_response(truth)
+def wire_routes(truth, dtype, start_len=0):
+    """SGLang's wire payload: base64 of the flat rows from ``start_len`` on, in ``dtype``."""
     rows = truth.engine_rows()[start_len:]
+    return base64.b64encode(rows.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
+
+
+def sglang_compact(truth, dtype, start_len=0):
+    """A /generate response; the request had ``routed_experts_start_len=start_len`` (not echoed)."""
+    response = sglang_response(truth)
     meta = response["meta_info"]
-    meta["routed_experts"] = base64.b64encode(rows.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
-    if dtype != "int32":
+    meta["routed_experts"] = wire_routes(truth, dtype, start_len)
+    if dtype != "int32":  # a server without the compact wire format names no dtype
         meta["routed_experts_dtype"] = dtype
-    if start_len:
-        meta["routed_experts_start_len"] = start_len
     return response
+
+
+def sglang_openai_response(truth, dtype="int32", start_len=0, echo=False):
+    """A /v1/completions response (return_routed_experts, return_token_ids, logprobs=0, n=1)."""
+    p, g = len(truth.prompt), len(truth.completion)
+    token_logprobs = truth.logprobs[p:].tolist()
+    if echo:  # logprob_start_len=0: the prompt's entries first, the first one null
+        token_logprobs = [None] + truth.logprobs[1:p].tolist() + token_logprobs
+    choice = {"index": 0, "text": "...", "finish_reason": "length", "matched_stop": None,
+              "logprobs": {"text_offset": [-1] * len(token_logprobs), "token_logprobs": token_logprobs,
+                           "tokens": ["t"] * len(token_logprobs), "top_logprobs": []},
+              "token_ids": list(truth.completion), "prompt_token_ids": list(truth.prompt)}
+    return {"id": "cmpl-s9", "object": "text_completion", "created": 0, "model": "default", "choices": [choice],
+            "usage": {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g},
+            "sglext": {"routed_experts": wire_routes(truth, dtype, start_len), "routed_experts_dtype": dtype}}
 
 
 def megatron_choice(truth, wrapped=False):
@@ -106,11 +133,15 @@ FORMATS = {
                                                       prompt_start=3),
     "sglang-int32": lambda t: [sglang_sample(sglang_compact(t, "int32"), t.prompt, SPEC)],
     "sglang-uint16": lambda t: [sglang_sample(sglang_compact(t, "uint16"), t.prompt, SPEC)],
-    "sglang-uint8-start-len": lambda t: [sglang_sample(sglang_compact(t, "uint8", start_len=3), t.prompt, SPEC)],
+    "sglang-uint8-start-len": lambda t: [sglang_sample(sglang_compact(t, "uint8", start_len=3), t.prompt, SPEC,
+                                                       start_len=3)],
+    "sglang-openai-int32": lambda t: [sglang_openai_sample(sglang_openai_response(t), None, SPEC)],
+    "sglang-openai-uint8-start-len": lambda t: [sglang_openai_sample(sglang_openai_response(t, "uint8", 3), None,
+                                                                     SPEC, start_len=3)],
     "megatron-choice": lambda t: [megatron_sample(megatron_choice(t), SPEC)],
     "megatron-serialised": lambda t: [megatron_sample(megatron_choice(t, wrapped=True), SPEC)],
 }
-FIRST_ROUTED = {"vllm-split-prompt-start": 3, "sglang-uint8-start-len": 3}
+FIRST_ROUTED = {"vllm-split-prompt-start": 3, "sglang-uint8-start-len": 3, "sglang-openai-uint8-start-len": 3}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -171,12 +202,37 @@ def _zeroed(rows, token=None):
     return rows
 
 
-def _sglang(dtype="int32", **meta):
+def _vllm_rows(mutate):
+    def run(truth):
+        request = vllm_request([truth])
+        request.outputs[0].routed_experts = mutate(request.outputs[0].routed_experts)
+        return vllm_samples(request, SPEC)
+    return run
+
+
+def _sglang(dtype="int32", start_len=0, **meta):
     def run(truth):
         response = sglang_compact(truth, dtype)
         response["meta_info"].update(meta)
-        return [sglang_sample(response, truth.prompt, SPEC)]
+        return [sglang_sample(response, truth.prompt, SPEC, start_len=start_len)]
     return run
+
+
+def _openai(mutate=None, rows=None, start_len=0, input_ids=None):
+    """A /v1/completions response, changed by ``mutate(response)``, routes ``rows(engine_rows)`` when given."""
+    def run(truth):
+        response = sglang_openai_response(truth)
+        if rows is not None:
+            response["sglext"]["routed_experts"] = base64.b64encode(
+                rows(truth.engine_rows()).astype("<i4").tobytes()).decode()
+        if mutate is not None:
+            mutate(response)
+        return [sglang_openai_sample(response, input_ids, SPEC, start_len=start_len)]
+    return run
+
+
+def _choice(key, value):
+    return lambda response: response["choices"][0].__setitem__(key, value)
 
 
 def _sglang_rows(mutate):
@@ -230,14 +286,49 @@ MALFORMED = [
     ("sglang: dtype that does not fit the payload", _sglang("int32", routed_experts_dtype="uint16"),
      r"holds 80 uint16 values; this sample needs \[tokens - 1, layers, topk\] = \[10, 4, 2\] = 80|"
      r"holds 160 uint16 values"),
-    ("sglang: start_len the payload does not have", _sglang(routed_experts_start_len=2),
+    ("sglang: start_len the payload does not have", _sglang(start_len=2),
      r"holds 80 int32 values; this sample needs \[tokens - 1 - start_len, layers, topk\] = \[8, 4, 2\] = 64"),
-    ("sglang: negative start_len", _sglang(routed_experts_start_len=-1),
+    ("sglang: negative start_len", _sglang(start_len=-1),
      "routed_experts_start_len = -1 is not a count"),
+    ("sglang: start_len beyond the sample", _sglang(start_len=11),
+     "routed_experts_start_len 11 is beyond the 10 routed tokens of a 11-token sample"),
     ("sglang: every row zero", _sglang_rows(lambda r: r * 0),
      rf"sample 0: token 0, layer 2: every SGLang route row is all zeros \(10 tokens\).*{REPEATED}"),
     ("sglang: repeated expert", _sglang_rows(lambda r: _with(r, (4, 1), 5)),
      rf"request 's3' sample 0: token 4, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
+    ("vllm original: repeated expert", _vllm_rows(lambda r: _with(r, (3, 1), 5)),
+     rf"request 'r7' sample 0: token 3, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
+    ("vllm original: every row zero", _vllm_rows(lambda r: r * 0),
+     rf"request 'r7' sample 0: token 0, layer 2: every vLLM route row is all zeros.*{REPEATED}"),
+    ("sglang openai: no sglext", _openai(lambda r: r.pop("sglext")),
+     "request 'cmpl-s9' sample 0: the SGLang /v1/completions response has no sglext object"),
+    ("sglang openai: unknown dtype", _openai(lambda r: r["sglext"].__setitem__("routed_experts_dtype", "int8")),
+     r"sample 0: SGLang response sglext\['routed_experts'\]: routed_experts_dtype 'int8' is not one of"),
+    ("sglang openai: dtype that does not fit the payload",
+     _openai(lambda r: r["sglext"].__setitem__("routed_experts_dtype", "uint8")),
+     r"sglext\['routed_experts'\] holds 320 uint8 values; this sample needs .* = 80"),
+    ("sglang openai: bad base64", _openai(lambda r: r["sglext"].__setitem__("routed_experts", "@@@@")),
+     r"sample 0: SGLang response sglext\['routed_experts'\] is not base64 of int32 values"),
+    ("sglang openai: start_len the payload does not have", _openai(start_len=2),
+     r"holds 80 int32 values; this sample needs \[tokens - 1 - start_len, layers, topk\] = \[8, 4, 2\] = 64"),
+    ("sglang openai: payload from a start_len not passed", _openai(rows=lambda r: r[3:]),
+     r"holds 56 int32 values; this sample needs \[tokens - 1, layers, topk\] = \[10, 4, 2\] = 80"),
+    ("sglang openai: n=2", _openai(lambda r: r["choices"].append(dict(r["choices"][0], index=1))),
+     "has 2 choices but sglext holds the routes of the first only"),
+    ("sglang openai: no token_ids", _openai(_choice("token_ids", None)),
+     r"request 'cmpl-s9' sample 0: the SGLang choice has no token_ids \(request return_token_ids=True\)"),
+    ("sglang openai: no prompt ids", _openai(_choice("prompt_token_ids", None)),
+     "request 'cmpl-s9' sample 0: the prompt ids are unknown"),
+    ("sglang openai: prompt ids that disagree", _openai(input_ids=[1, 2, 3]),
+     r"input_ids \(3 tokens\) are not the choice's prompt_token_ids \(6 tokens\)"),
+    ("sglang openai: no log-probs", _openai(_choice("logprobs", None)),
+     "request 'cmpl-s9' sample 0: the SGLang choice has no logprobs.token_logprobs"),
+    ("sglang openai: log-probs short", _openai(lambda r: r["choices"][0]["logprobs"]["token_logprobs"].pop()),
+     r"logprobs.token_logprobs has 4 entries for 5 completion tokens \(11 with echo\)"),
+    ("sglang openai: repeated expert", _openai(rows=lambda r: _with(r, (7, 3), 9)),
+     rf"request 'cmpl-s9' sample 0: token 7, layer 4: repeated expert id in one token's row: \[9, 9\].*{REPEATED}"),
+    ("sglang openai: every row zero", _openai(rows=lambda r: r * 0),
+     rf"request 'cmpl-s9' sample 0: token 0, layer 2: every SGLang route row is all zeros.*{REPEATED}"),
     ("megatron: zero-filled row", _megatron(moe_topk_indices=_megatron_rows(5, 0), prompt_moe_topk_indices=None),
      rf"request 'm1' sample 0: token 5, layer 2: repeated expert id in one token's row: \[0, 0\].*{REPEATED}"),
     ("megatron: rows for every token", _megatron(moe_topk_indices=lambda r: r + r[-1:], prompt_moe_topk_indices=None),
@@ -250,6 +341,10 @@ MALFORMED = [
      "request 'm1' sample 0: Megatron returned no routing_indices / moe_topk_indices"),
     ("megatron: no log-probs", _megatron(generation_log_probs=None),
      "request 'm1' sample 0: Megatron returned no generation_log_probs"),
+    ("megatron: no prompt tokens", _megatron(prompt_token_ids=None),
+     "request 'm1' sample 0: Megatron returned no prompt tokens"),
+    ("megatron: bad base64", _megatron(moe_topk_indices={"dtype": "int32", "shape": [10, 2, 2], "base64": "@@"}),
+     r"sample 0: moe_topk_indices must be an integer array.*\(Error: "),
     ("megatron: serialised with a bad dtype", _megatron(moe_topk_indices=["ndarray", {"data": [[1]], "dtype": "q1"}]),
      "sample 0: moe_topk_indices must be an integer array"),
 ]
@@ -268,21 +363,19 @@ def test_malformed_variants_are_refused_by_name(build, message):
         build(truth)
 
 
-def test_sglang_openai_choice_reads_sgl_ext():
+def test_sglang_openai_response_reads_sglext_and_echoed_logprobs():
     truth = make_truth(np.random.default_rng(5), 6, 5)
-    meta = sglang_compact(truth, "uint8", start_len=2)["meta_info"]
-    choice = {"index": 0, "sgl_ext": {k: meta[k] for k in
-                                      ("routed_experts", "routed_experts_dtype", "routed_experts_start_len")}}
-    routes = from_sglang_openai(choice, SPEC, num_tokens=11, sample=0)
+    response = sglang_openai_response(truth, "uint16", start_len=2, echo=True)
+    routes = from_sglang_openai(response, SPEC, num_tokens=11, sample=0, start_len=2)
     np.testing.assert_array_equal(routes.to_int64()[2:-1], truth.routes[2:])
     assert routes.valid.tolist() == [False] * 2 + [True] * 8 + [False]
-    with pytest.raises(RoutingValidationError, match="has no sgl_ext object"):
-        from_sglang_openai({"index": 0}, SPEC, num_tokens=11, sample=0)
-    with pytest.raises(RoutingValidationError, match="SGLang choice sgl_ext has no routed_experts"):
-        from_sglang_openai({"sgl_ext": {}}, SPEC, num_tokens=11, sample=0)
-    # The request's start_len when the response does not echo it.
-    del choice["sgl_ext"]["routed_experts_start_len"]
-    assert from_sglang_openai(choice, SPEC, num_tokens=11, start_len=2).valid.sum() == 8
+    sample = sglang_openai_sample(response, truth.prompt, SPEC, start_len=2, reward=1.0)
+    np.testing.assert_allclose(sample.logprobs, truth.logprobs)  # echo: the prompt's log-probs too
+    assert sample.meta == {"engine": "sglang", "request_id": "cmpl-s9", "completion_index": 0,
+                           "finish_reason": "length", "reward": 1.0}
+    without_echo = sglang_openai_sample(sglang_openai_response(truth), None, SPEC)
+    assert (without_echo.logprobs[:6] == 0).all()
+    np.testing.assert_allclose(without_echo.logprobs[6:], truth.logprobs[6:])
 
 
 def test_megatron_in_process_request():
@@ -306,44 +399,73 @@ def test_megatron_in_process_request():
         from_megatron_inference(truth.routes[:-1], SPEC, num_tokens=11, sample=2)
 
 
-def test_dump_tool_takes_every_engine(tmp_path):
+def megatron_request(truth):
+    """A finished DynamicInferenceRequest as serialised: routing_indices as ("ndarray", {"data", "dtype"})."""
+    p = len(truth.prompt)
+    return {"request_id": "m2", "prompt_tokens": truth.prompt, "generated_tokens": truth.completion,
+            "generated_log_probs": truth.logprobs[p:].tolist(),
+            "routing_indices": ["ndarray", {"data": truth.routes.astype(np.int32).tolist(), "dtype": "int32"}]}
+
+
+def vllm_split_line(truth, dtype, prompt_start=0):
+    record = request_output_to_json(vllm_split_request(truth, dtype, prompt_start=prompt_start))
+    record["routed_experts_prompt_start"] = prompt_start
+    return record
+
+
+# Every format a line of the dump tool takes: (engine, line from the truth, first routed token, request id).
+DUMP_LINES = {
+    "vllm original int32": ("vllm", lambda t: request_output_to_json(vllm_request([t])), 0, "'r7'"),
+    "vllm split int16": ("vllm", lambda t: vllm_split_line(t, np.int16), 0, "'r7'"),
+    "vllm split uint8 prompt start": ("vllm", lambda t: vllm_split_line(t, np.uint8, prompt_start=3), 3, "'r7'"),
+    "sglang meta_info int32": ("sglang", lambda t: {"input_ids": t.prompt, "response": sglang_compact(t, "int32")},
+                               0, "'s3'"),
+    "sglang meta_info uint16": ("sglang", lambda t: {"input_ids": t.prompt, "response": sglang_compact(t, "uint16")},
+                                0, "'s3'"),
+    "sglang meta_info uint8 start_len": ("sglang", lambda t: {"input_ids": t.prompt, "routed_experts_start_len": 3,
+                                                              "response": sglang_compact(t, "uint8", start_len=3)},
+                                         3, "'s3'"),
+    "sglang openai int32": ("sglang", lambda t: {"response": sglang_openai_response(t)}, 0, "'cmpl-s9'"),
+    "sglang openai uint8 start_len": ("sglang", lambda t: {"routed_experts_start_len": 2,
+                                                           "response": sglang_openai_response(t, "uint8", 2)},
+                                      2, "'cmpl-s9'"),
+    "megatron moe_topk_indices": ("megatron", lambda t: {"response": {"id": "cmpl-1", "choices": [megatron_choice(t)]},
+                                                         "reward": [1.0]}, 0, "'cmpl-1'"),
+    "megatron serialised moe_topk_indices": ("megatron", lambda t: {"response": megatron_choice(t, wrapped=True)},
+                                             0, "None"),
+    "megatron routing_indices": ("megatron", lambda t: {"response": megatron_request(t)}, 0, "'m2'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DUMP_LINES))
+def test_dump_tool_takes_every_format(name, tmp_path):
+    engine, line, first, _ = DUMP_LINES[name]
     truth = make_truth(np.random.default_rng(7), 6, 5)
-    lines = {
-        "vllm": [request_output_to_json(vllm_request([truth])),
-                 request_output_to_json(vllm_split_request(truth, np.uint8))],
-        "sglang": [{"input_ids": truth.prompt, "response": sglang_compact(truth, "uint16")},
-                   {"input_ids": truth.prompt, "response": sglang_compact(truth, "uint8", start_len=3)}],
-        "megatron": [{"response": {"id": "cmpl-1", "choices": [megatron_choice(truth)]}, "reward": [1.0]},
-                     {"response": megatron_choice(truth, wrapped=True), "reward": 0.0}],
-    }
-    assert "prompt_routed_experts" in lines["vllm"][1] and "prompt_routed_experts" not in lines["vllm"][0]
-    for engine, records in lines.items():
-        source, out = tmp_path / f"{engine}.jsonl", tmp_path / f"{engine}.r3dump"
-        source.write_text("".join(json.dumps(r) + "\n" for r in records))
-        assert main(["--engine", engine, "--input", str(source), "--out", str(out), *MODEL_FLAGS,
-                     "--log-interval", "0"]) == 0
-        from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-        with RolloutDumpReader(out) as reader:
-            samples = list(reader)
-        assert len(samples) == 2
-        for sample in samples:
-            np.testing.assert_array_equal(sample.token_ids, truth.tokens)
-            routed = sample.routes.valid
-            np.testing.assert_array_equal(sample.routes.to_int64()[routed], truth.routes[routed[:-1]])
-        assert samples[0].meta["engine"] == engine
-    assert samples[0].meta["request_id"] == "cmpl-1" and samples[0].meta["reward"] == 1.0
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.r3dump"
+    source.write_text(json.dumps(line(truth)) + "\n")
+    assert main(["--engine", engine, "--input", str(source), "--out", str(out), *MODEL_FLAGS,
+                 "--log-interval", "0"]) == 0
+    with RolloutDumpReader(out) as reader:
+        (sample,) = list(reader)
+    np.testing.assert_array_equal(sample.token_ids, truth.tokens)
+    np.testing.assert_allclose(sample.logprobs[6:], truth.logprobs[6:])
+    assert sample.routes.valid.tolist() == [False] * first + [True] * (10 - first) + [False]
+    np.testing.assert_array_equal(sample.routes.to_int64()[first:-1], truth.routes[first:])
+    assert sample.meta["engine"] == engine
 
 
-def test_dump_tool_names_a_bad_split_line(tmp_path, capsys):
+@pytest.mark.parametrize("name", sorted(DUMP_LINES))
+def test_dump_tool_refuses_a_repeated_expert_in_every_format(name, tmp_path, capsys):
+    """Token 7, MoE layer 4 routes to [5, 5]: every format names line, request, sample, token, layer and cause."""
+    engine, line, _, request = DUMP_LINES[name]
     truth = make_truth(np.random.default_rng(8), 6, 5)
-    record = request_output_to_json(vllm_split_request(truth, np.int16))
-    record["outputs"][0]["routed_experts"] = {"dtype": "int16", "shape": [4, 2, 2],
-                                              "base64": base64.b64encode(bytes(32)).decode()}
+    truth.routes[7, 1] = 5
     source = tmp_path / "in.jsonl"
-    source.write_text(json.dumps(record) + "\n")
-    assert main(["--engine", "vllm", "--input", str(source), "--out", str(tmp_path / "o.r3dump"),
+    source.write_text(json.dumps(line(truth)) + "\n")
+    assert main(["--engine", engine, "--input", str(source), "--out", str(tmp_path / "o.r3dump"),
                  *MODEL_FLAGS]) == 1
     err = capsys.readouterr().err
-    assert f"dump_rollouts: error: {source} line 1: request 'r7' sample 0: token 6, layer 2: repeated expert id" in err
-    assert "vllm #54730" in err
+    assert (f"dump_rollouts: error: {source} line 1: request {request} sample 0: token 7, layer 4: repeated expert "
+            f"id in one token's row: [5, 5]") in err
+    assert "FlashInfer's monolithic MoE returned all-zero routes, vllm #54730" in err
     assert not (tmp_path / "o.r3dump").exists()
