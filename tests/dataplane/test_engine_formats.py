@@ -34,12 +34,13 @@ Fixtures, each written from the engine's source at the named commit (read, not c
 
 import base64
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_sglang_openai, from_vllm_split
+from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang_openai, from_vllm_split
 from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_openai_sample, sglang_sample, vllm_samples
 from megatron_r3.dataplane.packing import gather_routes
@@ -469,3 +470,37 @@ def test_dump_tool_refuses_a_repeated_expert_in_every_format(name, tmp_path, cap
             f"id in one token's row: [5, 5]") in err
     assert "FlashInfer's monolithic MoE returned all-zero routes, vllm #54730" in err
     assert not (tmp_path / "o.r3dump").exists()
+
+
+BAD_LINES = [
+    ("split prompt part not base64", "vllm split int16",
+     lambda r: r["prompt_routed_experts"].__setitem__("base64", "@@"),
+     r"line 1: prompt_routed_experts must be nested lists or \{\"dtype\", \"shape\", \"base64\"\} \(Error: "),
+    ("split prompt part of float dtype", "vllm split int16",
+     lambda r: r.__setitem__("prompt_routed_experts", {"dtype": "float32", "shape": [6, 2, 2],
+                                                       "base64": base64.b64encode(bytes(96)).decode()}),
+     "line 1: prompt_routed_experts must hold integer expert ids, got dtype float32"),
+    ("openai start_len a string", "sglang openai uint8 start_len",
+     lambda r: r.__setitem__("routed_experts_start_len", "2"),
+     "line 1: SGLang line: 'routed_experts_start_len' must be an integer, got a string"),
+    ("openai start_len left out", "sglang openai uint8 start_len", lambda r: r.pop("routed_experts_start_len"),
+     r"line 1: request 'cmpl-s9' sample 0: SGLang response sglext\['routed_experts'\] holds 64 uint8 values; this "
+     r"sample needs \[tokens - 1, layers, topk\] = \[10, 4, 2\] = 80"),
+    ("openai wrong dtype name", "sglang openai int32",
+     lambda r: r["response"]["sglext"].__setitem__("routed_experts_dtype", "int64"),
+     r"line 1: request 'cmpl-s9' sample 0: SGLang response sglext\['routed_experts'\]: routed_experts_dtype "
+     r"'int64' is not one of \['int32', 'uint16', 'uint8'\]"),
+]
+
+
+@pytest.mark.parametrize("name, mutate, message", [b[1:] for b in BAD_LINES], ids=[b[0] for b in BAD_LINES])
+def test_dump_tool_names_a_malformed_line(name, mutate, message, tmp_path, capsys):
+    record = DUMP_LINES[name][1](make_truth(np.random.default_rng(9), 6, 5))
+    mutate(record)
+    source, out = tmp_path / "in.jsonl", tmp_path / "o.r3dump"
+    source.write_text(json.dumps(record) + "\n")
+    assert main(["--engine", DUMP_LINES[name][0], "--input", str(source), "--out", str(out), *MODEL_FLAGS]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dump_rollouts: error: {source} ")
+    assert re.search(message, err), err
+    assert not out.exists()
