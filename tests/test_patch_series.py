@@ -133,10 +133,9 @@ def change_line(tree, number, text, subject, cpu=False):
     git(tree, "commit", "-qam", f"{subject}\n\nWhy: a test needs it.\n\nWhat: line {number}.\n{trailer}")
 
 
-@pytest.fixture
-def synthetic(tmp_path, monkeypatch):
-    """A tiny megatron-core 0.19.2 sdist, a git checkout of it and patches/ of two series:
-    upstream 'one' and 'two', and 'cpu' (line 2, changed by 'one' first) on top."""
+def synthetic_sdist(tmp_path):
+    """A tiny megatron-core 0.19.2 sdist: package_info.py and a layer.py of 20 lines.
+    Returns it and a git checkout of it, tagged 'base'."""
     top = tmp_path / "src" / "megatron-core-0.19.2"
     (top / "megatron/core").mkdir(parents=True)
     (top / patch_series.PACKAGE_INFO).write_text(
@@ -149,6 +148,14 @@ def synthetic(tmp_path, monkeypatch):
         tar.add(top, arcname=top.name)
     repo = git_checkout(sdist, tmp_path / "repo")
     git(repo, "tag", "base")
+    return sdist, repo
+
+
+@pytest.fixture
+def synthetic(tmp_path, monkeypatch):
+    """The synthetic sdist, its checkout and patches/ of two series:
+    upstream 'one' and 'two', and 'cpu' (line 2, changed by 'one' first) on top."""
+    sdist, repo = synthetic_sdist(tmp_path)
     change_line(repo, 2, "upstream one", "layer: one")
     change_line(repo, 10, "upstream two", "layer: two")
     change_line(repo, 2, "cpu on top of one", "layer: cpu", cpu=True)
