@@ -13,11 +13,12 @@ issues or PRs it answers (LINKS), and, in the CPU series, 'Series: cpu'. The
 rebuilt history must end in the same tree as the series did, so the installed
 Megatron does not change; then patches/ and patches/cpu/ are exported.
 
-Where a commit does not apply in its new place (a context line of an upstream
-patch comes from a CPU patch), the script stops in WORKDIR with the conflict:
-resolve it there (`git add` the files), then run the same command with
---continue. The conflicts seen so far, and how they were resolved, are in the
-notes on the split (series-split.md).
+Where a commit does not apply in its new place, the script stops in WORKDIR
+with the conflict: resolve it there (`git add` the files), then run the same
+command with --continue. In an upstream commit, a conflict means its context
+holds a CPU patch's lines: keep the commit's change without them. In a CPU
+commit, make the file what the single series made it, unless a later CPU
+commit changes it too (the final tree check refuses a wrong resolution).
 """
 
 import argparse
