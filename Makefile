@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VPY := .venv/bin/python
 MEGATRON ?=
+# CPU=1: `make patch` applies the CPU series (patches/cpu/) on top of the upstream one.
+CPU ?=
 PYTEST_ARGS ?=
 
 .PHONY: install test test-cpu test-gpu bench check-patches patch clean help upstream-tests
@@ -10,8 +12,8 @@ help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's; build/bench/"
-	@echo "make check-patches  apply patches/ to a pristine sdist; fail on fuzz, offsets or a missing header"
-	@echo "make patch MEGATRON=/path/to/Megatron-LM   apply patches/ to your checkout"
+	@echo "make check-patches  apply patches/ to a pristine sdist, then patches/cpu/ on top; fail on fuzz, offsets or a bad header"
+	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply patches/ (CPU=1: and patches/cpu/) to your checkout"
 	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
 
 install:
@@ -49,8 +51,8 @@ check-patches:
 	$(PYTHON) tools/patch_series.py check $(SDIST)
 
 patch:
-	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM" >&2; exit 2; }
-	$(PYTHON) tools/patch_series.py apply "$(MEGATRON)"
+	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM [CPU=1]" >&2; exit 2; }
+	$(PYTHON) tools/patch_series.py apply $(if $(CPU),--cpu) "$(MEGATRON)"
 
 clean:
 	rm -rf build .venv megatron_r3/_C*.so *.egg-info
