@@ -39,10 +39,11 @@ from megatron_r3.rl.model_factory import build_model, transformer_config
 from megatron_r3.rl.phase_timer import PhaseTimer
 from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
 from megatron_r3.rl.profiling import IterationProfiler
-from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
+from megatron_r3.rl.megatron_rollout_engine import MegatronRolloutEngine
+from megatron_r3.rl.rollout_engine import RolloutEngine
+from megatron_r3.rl.rollout_engines import build_rollout_engine
 from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
-from megatron_r3.rl.tasks import EOS
 from megatron_r3.rl.train_metrics import iteration_metrics, progress_line
 from megatron_r3.rl.training_stack import build_training_stack
 
@@ -55,8 +56,8 @@ class TrainingRun:
         args: The completed flags.
         trainer: The policy's chunks, optimizer and routing mode.
         source: Where each iteration's samples come from.
-        engine: The built-in rollout engine (its chunks and lagging weight snapshots), or
-            None in dump mode.
+        engine: The rollout engine (``--rollout-engine``: its chunks and lagging weight snapshots),
+            or None in dump mode.
         iteration: Iterations done.
         consumed_samples: Samples trained on so far.
     """
@@ -64,7 +65,7 @@ class TrainingRun:
     args: argparse.Namespace
     trainer: PolicyTrainer
     source: Union[EmbeddedRollouts, DumpRollouts]
-    engine: Optional[RolloutEngine]
+    engine: Optional[Union[RolloutEngine, MegatronRolloutEngine]]
     iteration: int = 0
     consumed_samples: int = 0
 
@@ -95,10 +96,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     if source is not None:
         return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
-    engine_config = transformer_config(args, device, rollout_engine=True)
-    engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
-                           SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
-                           args.rollout_staleness, cuda_graphs=args.rollout_cuda_graphs)
+    engine = build_rollout_engine(args, device, chunks, spec, rows, per_rank)
     return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
 
 
