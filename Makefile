@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
-	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's; build/bench/"
+	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist, then patches/cpu/ on top; fail on fuzz, offsets or a bad header"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply patches/ (CPU=1: and patches/cpu/) to your checkout"
 	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
@@ -30,13 +30,14 @@ test: $(VPY)
 
 # Packing kernel, then the trainer's update pass on rollout-shaped data (the loop benchmark) and on
 # full rows, on one GPU and, with two or more, at EP=2 under torchrun; then the update pass and optimizer
-# step on Megatron's training stack against the loop's old one.
+# step on Megatron's training stack against the loop's old one; the rollout engines' generation tokens/s.
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)
 	$(VPY) -m bench.step --data rollout --out build/bench/loop-ep1.md
 	$(VPY) -m bench.step --data full --out build/bench/step-ep1.md
 	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
 	$(VPY) -m bench.launch_cost
+	$(VPY) -m bench.generation --out build/bench/generation.md
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md && \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data full --out build/bench/step-ep2.md; fi

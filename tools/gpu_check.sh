@@ -4,7 +4,7 @@
 # 1. make install (CUDA kernels built? TransformerEngine installed?)  2. the gpu-marked tests  3. the launcher on a
 # synthetic dump, one rank per GPU, and its embedded R3 loop (metrics in OUTDIR/embedded.jsonl)  4. the packing
 # benchmark, the update-pass (loop) benchmark with TE's grouped experts and with torch's, a host profile of one pass,
-# and the training-stack benchmark  5. `make test`, the whole suite, with per-test timings (stopped after
+# the training-stack benchmark and the rollout engines' generation benchmark  5. `make test`, the whole suite, with per-test timings (stopped after
 # SUITE_LIMIT seconds, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,8 @@ grep "^|" "$out/loop-ep1-torch-experts.log"
   > "$out/host-profile.log" 2>&1
 .venv/bin/python -m bench.training_stack --out "$out/training-stack.md" > "$out/training-stack.log" 2>&1
 grep "^|" "$out/training-stack.log"
+.venv/bin/python -m bench.generation --out "$out/generation.md" > "$out/generation.log" 2>&1
+grep "^|" "$out/generation.log"
 if [ "$ngpu" -ge 2 ]; then
   .venv/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout \
     --out "$out/loop-ep2.md" > "$out/loop-ep2.log" 2>&1; grep "^|" "$out/loop-ep2.log"

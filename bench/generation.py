@@ -1,0 +1,132 @@
+"""Generation tokens/s of the loop's rollout engines: the built-in one against Megatron's.
+
+    python -m bench.generation --out build/bench/generation.md     # 1 GPU, the launcher's default shape
+    python -m bench.generation --small                             # a smoke check of this script (CPU too)
+
+Builds the launcher's policy and its rollout engine the way a run does
+(:func:`megatron_r3.rl.rollout_engines.build_rollout_engine`, ``--rollout-engine local`` and
+``megatron``), then, per engine, times ``generate`` on one iteration's prompts of the
+built-in task (``--global-batch-size`` samples: the prompts, each ``--rollouts-per-prompt``
+times) for ``--rounds`` rounds after ``--warmup`` ones (CUDA graph captures and lazy
+initialisation happen there), the engines taking turns. It reports, per engine, the generated
+tokens per second (completion tokens, the stop token included, over the wall time of
+``generate``, which for both engines includes recording routes and log-probs), median and
+range over the rounds, and the ratio to the built-in engine. An engine that cannot run here
+is reported with the reason (:func:`megatron_r3.rl.megatron_rollout_engine.megatron_engine_problem`).
+
+Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidden-size 1024``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.rl.arguments import parse_args, task_of
+from megatron_r3.rl.initialize import initialize
+from megatron_r3.rl.megatron_rollout_engine import megatron_engine_problem
+from megatron_r3.rl.model_factory import build_model, transformer_config
+from megatron_r3.rl.rollout_engines import ROLLOUT_ENGINES, build_rollout_engine
+
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
+         "--num-experts", "4", "--global-batch-size", "8", "--rollouts-per-prompt", "2", "--task-max-symbols", "4"]
+
+
+def bench_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m bench.generation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed generate calls per engine")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed generate calls per engine first")
+    parser.add_argument("--small", action="store_true", help="a small model and batch: a smoke check on a CPU")
+    parser.add_argument("--out", default=None, help="markdown report path")
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    return parser.parse_args(argv[:split]), argv[split + 1:]
+
+
+def main(argv=None) -> None:
+    args, launcher_flags = bench_args(argv)
+    if "RANK" not in os.environ:  # one rank, as a plain `python -m bench.generation`
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
+    run_args = parse_args([*(SMALL if args.small else []), *launcher_flags, "--rollout-engine", "local"])
+    device = initialize(run_args)
+    config = transformer_config(run_args, device)
+    policy = build_model(run_args, config, device)
+    spec = RoutingSpec.from_config(config)
+    rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, run_args.seq_length,
+                     run_args.micro_batch_size, device)
+    samples = run_args.global_batch_size
+    group = run_args.rollouts_per_prompt
+    prompts = [p.token_ids for p in task_of(run_args).prompts(run_args.seed, 1, range(samples // group))
+               for _ in range(group)]
+
+    engines, skipped = {}, {}
+    for name in ROLLOUT_ENGINES:
+        problem = megatron_engine_problem(run_args, device) if name == "megatron" else None
+        if problem is not None:
+            skipped[name] = problem
+            continue
+        run_args.rollout_engine = name
+        engines[name] = build_rollout_engine(run_args, device, policy, spec, rows, samples)
+    rates = {name: [] for name in engines}
+    for round_ in range(args.warmup + args.rounds):
+        for name, engine in engines.items():
+            tokens, seconds = generate_once(engine, prompts, iteration=round_ + 1, device=device)
+            if round_ >= args.warmup:
+                rates[name].append(tokens / seconds)
+    report = render(args, launcher_flags, run_args, device, rates, skipped, len(prompts))
+    print(report)
+    if args.out is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(report)
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def generate_once(engine, prompts, iteration: int, device: torch.device) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of one ``generate`` on the policy's current weights."""
+    engine.weights.advance()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    samples = engine.generate(prompts, iteration)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return sum(int(s.loss_mask.sum()) for s in samples), seconds
+
+
+def render(args, launcher_flags, run_args, device, rates, skipped, num_prompts) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    command = ["python", "-m", "bench.generation", *sys.argv[1:]]
+    lines = [f"# Rollout generation, tokens/s ({datetime.date.today()})", "",
+             f"`{shlex.join(command)}` on 1 x {name}, torch {torch.__version__}: {num_prompts} samples of the "
+             f"{run_args.task!r} task, up to {run_args.max_new_tokens} new tokens, {run_args.num_layers} layers, "
+             f"hidden {run_args.hidden_size}, {run_args.num_experts} experts top-{run_args.moe_router_topk}, "
+             f"--transformer-impl {run_args.transformer_impl or 'default'}; {args.rounds} timed rounds after {args.warmup} warm-up ones.", "",
+             "| engine | tokens/s, median (min-max) | vs local |", "| --- | ---: | ---: |"]
+    local = statistics.median(rates["local"]) if rates.get("local") else None
+    for engine, values in rates.items():
+        median = statistics.median(values)
+        ratio = f"{median / local:.2f}x" if local else "-"
+        lines.append(f"| {engine} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) | {ratio} |")
+    for engine, problem in skipped.items():
+        lines.append(f"| {engine} | not run: {problem} | - |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
