@@ -2,11 +2,16 @@
 
 The loop's built-in engine (:mod:`megatron_r3.rl.rollout_engine`) has no KV cache: each
 generation step runs the whole prefix again. This one generates with megatron-core's
-``DynamicInferenceEngine``: a paged KV cache (``DynamicInferenceContext``), decode steps of
-one token per request, and, with ``--rollout-cuda-graphs``, the decode steps replayed as the
-engine's own CUDA graphs (``cuda_graph_impl="local"``). The model is the same bf16 chunk the
-built-in engine runs, on the policy's lagging weights (:class:`~megatron_r3.rl.weight_lag.LaggedWeights`
-copies into its parameters in place, so captured graphs stay valid).
+``DynamicInferenceEngine``: a paged KV cache (``DynamicInferenceContext``), prefill of every
+prompt in one step, then decode steps of one token per request. The model is the same bf16
+chunk the built-in engine runs, on the policy's lagging weights
+(:class:`~megatron_r3.rl.weight_lag.LaggedWeights` copies into its parameters in place).
+
+Its steps run eagerly. The engine's CUDA graphs need the model built with
+``cuda_graph_impl="local"``, whose ``CudaGraphManager`` refuses the launcher's RNG tracker
+(cuda_graphs.py: ``"RNG tracker does not support cudagraphs!"``): graphs need a cudagraphable
+or inference tracker, and the launcher keeps Megatron's default one, whose states its
+checkpoints save as tensors.
 
 Routes come from the engine itself: with ``moe_enable_routing_replay`` every router records
 its top-k through ``RouterReplay``, the engine stores them per KV block and rebuilds a
@@ -154,16 +159,14 @@ class MegatronRolloutEngine:
     (:attr:`chunks`, :attr:`weights`, :meth:`generate`).
 
     Args:
-        make_chunks: Builds one model chunk of the engine's kind (bf16, ``moe_enable_routing_replay``,
-            ``cuda_graph_impl="local"`` for CUDA graphs): the engine's own, and one per weight snapshot.
+        make_chunks: Builds one model chunk of the engine's kind (bf16, ``moe_enable_routing_replay``): the
+            engine's own, and one per weight snapshot.
         policy: The trainer's model chunks, same layout; the engine trails their weights.
         spec: The model's MoE layers, experts and top-k.
         sampling: Temperature, length limit, stop token, seed.
         staleness: Optimizer steps the engine's weights trail the policy's by.
         max_requests: Most prompts one :meth:`generate` call passes.
         max_sequence_length: Most tokens of a prompt and its completion.
-        cuda_graphs: Replay the decode steps as the engine's CUDA graphs (the chunks must be built
-            with ``cuda_graph_impl="local"``).
         top_k: Megatron's top-k filter before sampling (0: none; 1: greedy).
     """
 
@@ -176,7 +179,6 @@ class MegatronRolloutEngine:
         staleness: int,
         max_requests: int,
         max_sequence_length: int,
-        cuda_graphs: bool = True,
         top_k: int = 0,
     ):
         from megatron.core.inference.config import InferenceConfig
@@ -206,15 +208,13 @@ class MegatronRolloutEngine:
             max_tokens=max_requests * max_sequence_length,  # every prompt's prefill in one step
             block_size_tokens=BLOCK_SIZE_TOKENS,
             buffer_size_gb=_kv_cache_gb(model.config, max_requests, max_sequence_length),
-            num_cuda_graphs=max_requests if cuda_graphs else None,
-            use_cuda_graphs_for_non_decode_steps=False,
             logprobs_mode="processed_logprobs",
         )
         with recording_with(self._routers):
             context = DynamicInferenceContext(model_config=model.config, inference_config=config)
             controller = TextGenerationController(GPTInferenceWrapper(model, context),
                                                   tokenizer=TokenIdTokenizer(sampling.stop_token))
-            self.engine = DynamicInferenceEngine(controller, context)  # captures its CUDA graphs here
+            self.engine = DynamicInferenceEngine(controller, context)
         InferenceMode.unset_active()  # set by the engine for as long as it lives; the trainer runs without
 
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """Which engine generates the loop's rollouts (``--rollout-engine``), and building it.
 
-``megatron``: megatron-core's ``DynamicInferenceEngine`` (KV cache, its CUDA graphs;
+``megatron``: megatron-core's ``DynamicInferenceEngine`` (KV cache;
 :mod:`megatron_r3.rl.megatron_rollout_engine`). ``local``: the built-in engine, which runs every
 layout and on CPUs (:mod:`megatron_r3.rl.rollout_engine`). Without the flag, ``megatron``
 where it runs, else ``local``.
@@ -52,8 +52,6 @@ def build_rollout_engine(args: argparse.Namespace, device: torch.device, policy:
         config = transformer_config(args, device, rollout_engine=True)
         return RolloutEngine(lambda: build_model(args, config, device), policy, spec, rows, sampling,
                              args.rollout_staleness, cuda_graphs=args.rollout_cuda_graphs)
-    graphs = dict(cuda_graph_impl="local") if args.rollout_cuda_graphs else {}
-    config = transformer_config(args, device, rollout_engine=True, **graphs)
+    config = transformer_config(args, device, rollout_engine=True)
     return MegatronRolloutEngine(lambda: build_model(args, config, device), policy, spec, sampling,
-                                 args.rollout_staleness, max_requests=per_rank, max_sequence_length=args.seq_length,
-                                 cuda_graphs=args.rollout_cuda_graphs)
+                                 args.rollout_staleness, max_requests=per_rank, max_sequence_length=args.seq_length)
