@@ -15,14 +15,17 @@ from megatron_r3.dataplane.validation import RoutingValidationError
 from megatron_r3.rl import megatron_rollout_engine
 from megatron_r3.rl.arguments import parse_args
 from megatron_r3.rl.megatron_rollout_engine import (
+    MegatronRolloutEngine,
     flash_attention_problem,
     megatron_engine_problem,
     recording_with,
     sample_from_request,
 )
-from megatron_r3.rl.rollout_engine import RolloutEngineError
+from megatron_r3.rl.rollout_engine import RolloutEngineError, SamplingParams
 from megatron_r3.rl.rollout_engines import resolve_rollout_engine
 from tests.support.launcher import run_workers
+from tests.support.parallel import Layout, init_parallel
+from tests.support.tiny_moe import TinyMoE, build_gpt
 from tests.test_launch import EMBEDDED_FLAGS, train_worker
 
 SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=4, topk=2)
@@ -118,9 +121,53 @@ def test_recording_is_kept_to_the_engines_routers_and_cleared_after():
 
 # On a GPU where Megatron's engine runs: the loop with it trains on the routes it records.
 
+needs_megatron_engine = pytest.mark.skipif(
+    torch.cuda.is_available() and flash_attention_problem() is not None,
+    reason="Megatron's dynamic engine needs flash-attn >= 2.7.3 (or FA3/FA4)")
+
+MODEL, MAX_NEW = TinyMoE(vocab_size=48), 6
+
+
+def _greedy_worker():
+    from megatron.core import parallel_state
+
+    device = init_parallel(Layout())
+    try:
+        flags = ["--moe-enable-routing-replay", "--bf16"]  # flash attention takes bf16
+        config, policy = build_gpt(Layout(), MODEL, seed=4, device=device, flags=flags)
+        prompts = [np.random.default_rng(i).integers(1, MODEL.vocab_size, size=3 + i) for i in range(8)]
+        engine = MegatronRolloutEngine(
+            lambda: build_gpt(Layout(), MODEL, seed=4, device=device, flags=flags)[1], policy,
+            RoutingSpec.from_config(config), SamplingParams(1.0, MAX_NEW, stop_token=-1, seed=11), staleness=0,
+            max_requests=len(prompts), max_sequence_length=MODEL.max_sequence_length, top_k=1)
+        engine.weights.advance()
+        samples = engine.generate(prompts, iteration=1)
+        # The same weights without a KV cache: the whole prefix again for every token, its argmax appended.
+        model, reference = engine.chunks[0], []
+        with torch.no_grad():
+            for prompt in prompts:
+                tokens = prompt.tolist()
+                for _ in range(MAX_NEW):
+                    ids = torch.tensor([tokens], device=device)
+                    logits = model(ids, torch.arange(len(tokens), device=device)[None], None)
+                    tokens.append(int(logits[0, -1].argmax()))
+                reference.append(tokens)
+        return {"got": [s.token_ids.tolist() for s in samples], "reference": reference,
+                "routed": [int(s.routes.valid.sum()) for s in samples]}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.is_available() and flash_attention_problem() is not None,
-                    reason="Megatron's dynamic engine needs flash-attn >= 2.7.3 (or FA3/FA4)")
+@needs_megatron_engine
+def test_megatrons_greedy_decoding_draws_the_tokens_of_rerunning_the_prefix():
+    ((result),) = run_workers(_greedy_worker, 1, backend="nccl", timeout=300)
+    assert result["got"] == result["reference"]
+    assert result["routed"] == [len(tokens) - 1 for tokens in result["got"]]  # all but the final token
+
+
+@pytest.mark.gpu
+@needs_megatron_engine
 def test_the_loop_with_megatrons_engine_replays_the_routes_it_records():
     """R3 with Megatron's engine: the update replays the routes the engine recorded, replay brings the
     trainer's log-probs closer to the engine's than routing live, and the engine's log-probs and routes
