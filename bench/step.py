@@ -76,7 +76,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=("rollout", "full"), default="rollout")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (= world size)")
-    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--num-layers", type=int, default=8, help="layers of the GPTModel (each attention and MoE)")
+    parser.add_argument("--hybrid-layer-pattern", default=None,
+                        help="a HybridModel of these layers instead (the launcher's flag: '*' attention, 'E' MoE, "
+                             "'-' MLP); '*E' repeated --num-layers times is the GPTModel's stack")
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=32)
     parser.add_argument("--num-query-groups", type=int, default=4)
@@ -126,8 +129,10 @@ def initialize(args) -> torch.device:
 
 def build_model(args, device):
     """The launcher's model for these sizes (bf16, alltoall, every layer MoE, replay-capable)."""
+    layers = (["--num-layers", str(args.num_layers)] if args.hybrid_layer_pattern is None
+              else ["--hybrid-layer-pattern", args.hybrid_layer_pattern])
     flags = arguments.parse_args([
-        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        *layers, "--hidden-size", str(args.hidden_size),
         "--ffn-hidden-size", str(4 * args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
         "--num-query-groups", str(args.num_query_groups),
         "--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
@@ -172,9 +177,9 @@ class UpdatePass:
 
     def __init__(self, args, model, config, device, samples):
         self.model, self.config, self.samples = model, config, samples
-        spec = RoutingSpec.from_config(config)
+        spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config,
-                         args.seq_length, args.micro_batch_size, device)
+                         args.seq_length, args.micro_batch_size, device, args.hybrid_layer_pattern)
         exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                        args.num_experts)
         self.pipelines = {"device": MicrobatchPipeline(rows, spec), "host": MicrobatchPipeline(rows, spec, exchange)}
@@ -219,13 +224,31 @@ def model_flops(args, sample_lens) -> float:
     h, heads, groups = args.hidden_size, args.num_attention_heads, args.num_query_groups
     head_dim = h // heads
     q, kv = heads * head_dim, groups * head_dim
-    fc1_width = args.moe_ffn_hidden_size * (2 if args.swiglu else 1)
-    per_token_layer = (2 * h * (q + 2 * kv) + 2 * q * h + 2 * h * args.num_experts
-                       + args.moe_router_topk * (2 * h * fc1_width + 2 * args.moe_ffn_hidden_size * h))
+    gated = 2 if args.swiglu else 1
+    per_token = {"*": 2 * h * (q + 2 * kv) + 2 * q * h,
+                 "E": 2 * h * args.num_experts + args.moe_router_topk * (
+                     2 * h * gated * args.moe_ffn_hidden_size + 2 * args.moe_ffn_hidden_size * h),
+                 "-": 2 * h * gated * 4 * h + 2 * 4 * h * h}
+    layers = layer_symbols(args)
     tokens = sum(sample_lens)
     attention = sum(4 * q * n * (n + 1) / 2 for n in sample_lens)
-    forward = tokens * (args.num_layers * per_token_layer + 2 * h * args.vocab_size) + args.num_layers * attention
+    forward = (tokens * (sum(per_token[symbol] for symbol in layers) + 2 * h * args.vocab_size)
+               + layers.count("*") * attention)
     return 3 * forward
+
+
+def layer_symbols(args) -> str:
+    """The model's layers as hybrid symbols: a GPT layer is attention then MoE (``*E``)."""
+    if args.hybrid_layer_pattern is None:
+        return "*E" * args.num_layers
+    return args.hybrid_layer_pattern.replace("|", "")
+
+
+def model_description(args) -> str:
+    """The model, for the report."""
+    if args.hybrid_layer_pattern is None:
+        return f"GPTModel of {args.num_layers} MoE layers"
+    return f"HybridModel `{args.hybrid_layer_pattern}` ({layer_symbols(args).count('E')} MoE layers)"
 
 
 # Dense bf16 tensor-core peak by the vendor's datasheet (SXM parts; without sparsity).
@@ -364,7 +387,7 @@ def render(args, device, config, variants, syncs, per_round, issue, device_ms, f
         "",
         f"`{command}`",
         "",
-        f"Model: {args.num_layers} MoE layers, hidden {args.hidden_size}, {args.num_attention_heads} heads in "
+        f"Model: {model_description(args)}, hidden {args.hidden_size}, {args.num_attention_heads} heads in "
         f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
         f"({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size} "
         f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, layers "

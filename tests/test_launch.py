@@ -22,8 +22,9 @@ from tools.synthetic_rollout_dump import write_synthetic_dump
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERTS, TOPK, VOCAB = 4, 2, 64
-SMALL_MODEL = [
-    "--num-layers", "4", "--moe-layer-freq", "0,1,0,1", "--hidden-size", "32", "--ffn-hidden-size", "64",
+GPT_LAYERS = ["--num-layers", "4", "--moe-layer-freq", "0,1,0,1"]
+SMALL_MODEL = GPT_LAYERS + [
+    "--hidden-size", "32", "--ffn-hidden-size", "64",
     "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", str(EXPERTS),
     "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32", "--normalization", "LayerNorm",
     "--init-method-std", "0.02",
@@ -172,9 +173,20 @@ EMBEDDED_LAYOUTS["pp2-uneven-recompute"] = ["--pipeline-model-parallel-size", "2
                                             "--recompute-granularity", "full"]
 
 
-@pytest.mark.parametrize("layout", sorted(EMBEDDED_LAYOUTS))
+# HybridModels of the same layers (attention then an MLP or MoE: dense, MoE, dense, MoE), the
+# pipeline stages and virtual stages from the pattern's '|' segments.
+HYBRID_EMBEDDED_LAYOUTS = {
+    "hybrid-pp2-vp2": ["--hybrid-layer-pattern", "*-|*E|*-|*E", "--pipeline-model-parallel-size", "2"],
+    "hybrid-ep2": ["--hybrid-layer-pattern", "*-*E*-*E", "--expert-model-parallel-size", "2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EMBEDDED_LAYOUTS) + sorted(HYBRID_EMBEDDED_LAYOUTS))
 def test_the_trainer_replays_the_routes_the_engine_took_under_layouts(layout):
-    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", *EMBEDDED_LAYOUTS[layout]]
+    if layout in HYBRID_EMBEDDED_LAYOUTS:
+        argv = EMBEDDED_FLAGS[len(GPT_LAYERS):] + ["--moe-enable-routing-replay", *HYBRID_EMBEDDED_LAYOUTS[layout]]
+    else:
+        argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", *EMBEDDED_LAYOUTS[layout]]
     results = run_workers(passes_worker, 2, argv, backend="gloo")
     replayed_rows = 0  # under PP2+VP2 one rank builds only the dense layers
     for result in results:
@@ -201,7 +213,7 @@ def test_the_trainer_replays_the_routes_the_engine_took_under_layouts(layout):
         assert history["mismatch/replay/logp_abs_diff"] > 0  # the engine runs bf16, the trainer fp32
     assert replayed_rows > 0
     ours, theirs = ([p["samples"] for p in r["passes"] if "samples" in p][0] for r in results)
-    if layout != "ep2":  # one replica: its ranks hold the same samples
+    if not layout.endswith("ep2"):  # one replica: its ranks hold the same samples
         for a, b in zip(ours, theirs):
             for x, y in zip(a, b):
                 np.testing.assert_array_equal(x, y)

@@ -174,6 +174,8 @@ class RowLayout:
         seq_length: Length of a packed row.
         micro_batch_size: Samples per row.
         device: Where the rows go.
+        hybrid_layer_pattern: A HybridModel's layer pattern (its ``|`` segments are the chunks);
+            None for a GPTModel.
     """
 
     rank: RankLayout
@@ -181,6 +183,7 @@ class RowLayout:
     seq_length: int
     micro_batch_size: int
     device: torch.device
+    hybrid_layer_pattern: Optional[str] = None
 
     @property
     def num_chunks(self) -> int:
@@ -193,4 +196,5 @@ class RowLayout:
         ``source_layer_numbers`` are the MoE layers the batch's routes hold (``RolloutRoutes.layer_numbers``).
         """
         return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=source_layer_numbers,
-                           config=self.config, qkv_format="thd", padded_lens=batch.padded_lens)
+                           config=self.config, hybrid_layer_pattern=self.hybrid_layer_pattern, qkv_format="thd",
+                           padded_lens=batch.padded_lens)

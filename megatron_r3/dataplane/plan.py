@@ -230,6 +230,7 @@ class RoutingPlan:
         *,
         source_layer_numbers: Sequence[int],
         config: Optional[TransformerConfig] = None,
+        hybrid_layer_pattern: Optional[str] = None,
         layer_numbers: Optional[Sequence[int]] = None,
         qkv_format: str = "bshd",
         seq_len: Optional[int] = None,
@@ -245,6 +246,8 @@ class RoutingPlan:
             config: The model's ``TransformerConfig``; with it the chunk's layers are the
                 source layers that chunk ``(rank.pp_rank, rank.vp_stage)`` builds
                 (:func:`~megatron_r3.layers.moe_layers.chunk_layers`).
+            hybrid_layer_pattern: With ``config``, a HybridModel's layer pattern (its ``|``
+                segments are the chunks); None for a GPTModel.
             layer_numbers: The chunk's MoE layer numbers, given directly instead of ``config``.
             qkv_format: ``"bshd"`` (``[b, seq_len]`` rows) or ``"thd"`` (packed, b = 1).
             seq_len: BSHD padded sequence length (default: the longest sample,
@@ -254,7 +257,7 @@ class RoutingPlan:
         if (config is None) == (layer_numbers is None):
             raise ValueError("give exactly one of config= and layer_numbers=")
         if layer_numbers is None:
-            built = chunk_layers(config, rank.pp_rank, rank.vp_stage)
+            built = chunk_layers(config, rank.pp_rank, rank.vp_stage, hybrid_layer_pattern=hybrid_layer_pattern)
             layer_numbers = [n for n in source_layer_numbers if n in built]
         if qkv_format == "bshd":
             if padded_lens is not None:
@@ -280,14 +283,15 @@ class RoutingPlan:
 
 def chunk_plans(
     rank: RankLayout, sample_lens: Sequence[int], *, source_layer_numbers: Sequence[int],
-    config: TransformerConfig, **layout,
+    config: TransformerConfig, hybrid_layer_pattern: Optional[str] = None, **layout,
 ) -> list[RoutingPlan]:
     """One plan per model chunk of ``rank.pp_rank``, in ``vp_stage`` order (one chunk without VP).
 
-    ``layout`` takes :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
+    ``hybrid_layer_pattern`` is a HybridModel's (None for a GPTModel); ``layout`` takes
+    :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
     """
     return [
         RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens, source_layer_numbers=source_layer_numbers,
-                          config=config, **layout)
+                          config=config, hybrid_layer_pattern=hybrid_layer_pattern, **layout)
         for stage in chunk_vp_stages(config)
     ]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron_r3.dataplane.routes import RolloutRoutes
-from megatron_r3.layers.moe_layers import model_moe_layers
+from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers
 
 
 @dataclass
@@ -67,12 +67,17 @@ class RoutingSpec:
             raise ValueError(f"--moe-router-topk {self.topk} must lie in [1, --num-experts {self.num_experts}]")
 
     @classmethod
-    def from_config(cls, config: Any) -> "RoutingSpec":
+    def from_config(cls, config: Any, hybrid_layer_pattern: Optional[str] = None) -> "RoutingSpec":
         """From a Megatron ``TransformerConfig`` (``num_layers``, ``moe_layer_freq``,
-        ``num_moe_experts``, ``moe_router_topk``)."""
+        ``num_moe_experts``, ``moe_router_topk``); a HybridModel's MoE layers are the ``E`` layers
+        of its ``hybrid_layer_pattern``."""
+        if hybrid_layer_pattern is not None:
+            moe_layers = hybrid_moe_layers(hybrid_layer_pattern)
+        else:
+            moe_layers = model_moe_layers(config.num_layers, config.moe_layer_freq)
         return cls(
             num_layers=config.num_layers,
-            model_moe_layers=model_moe_layers(config.num_layers, config.moe_layer_freq),
+            model_moe_layers=moe_layers,
             num_experts=config.num_moe_experts,
             topk=config.moe_router_topk,
         )

@@ -9,7 +9,7 @@ splits and MTP after ``/``) run on CPU process groups and under every parallel l
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.multi_token_prediction import (
@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_r3.layers.hybrid_pattern import LAYER_NAMES, check_hybrid_layer_pattern, first_symbol_outside
 from megatron_r3.layers.norm import SequenceParallelNorm
 from megatron_r3.layers.specs import get_gpt_layer_r3_spec
 
@@ -47,23 +48,24 @@ def get_hybrid_stack_r3_spec(
     local ``eh_proj``.
 
     Args:
-        hybrid_layer_pattern: The model's pattern, checked here: another layer symbol would
-            otherwise build an ``IdentityOp`` that silently skips the layer.
+        hybrid_layer_pattern: The model's pattern, checked here
+            (:func:`~megatron_r3.layers.hybrid_pattern.check_hybrid_layer_pattern`): another layer
+            symbol would otherwise build an ``IdentityOp`` that silently skips the layer.
         num_experts: Routed experts of the MoE layers.
         moe_grouped_gemm: Grouped-GEMM experts.
         qk_layernorm: Normalise queries and keys (per head) before attention.
 
     Raises:
-        ValueError: naming the symbols this spec cannot build.
+        ValueError: naming the first symbol this spec cannot build and its position.
     """
-    parsed = parse_hybrid_pattern(hybrid_layer_pattern)
-    symbols = set((parsed.main_pattern or "").replace(Symbols.PIPE, "")) | set(parsed.mtp_pattern or "")
-    unsupported = sorted(symbols - set(LOCAL_HYBRID_LAYERS))
-    if unsupported:
+    check_hybrid_layer_pattern(hybrid_layer_pattern)
+    unsupported = first_symbol_outside(hybrid_layer_pattern, set(LOCAL_HYBRID_LAYERS))
+    if unsupported is not None:
+        position, symbol = unsupported
         raise ValueError(
-            f"hybrid layer pattern {hybrid_layer_pattern!r} has layer types {unsupported}; the local "
-            f"hybrid spec builds only {list(LOCAL_HYBRID_LAYERS)} (Mamba, gated-delta and MLA layers "
-            "need TransformerEngine's spec)"
+            f"hybrid layer pattern {hybrid_layer_pattern!r}: {symbol!r} ({LAYER_NAMES[symbol]}) at position "
+            f"{position}: the local hybrid layers are only {list(LOCAL_HYBRID_LAYERS)} (Mamba, gated-delta, "
+            "MLA and DSA layers need TransformerEngine's: --transformer-impl transformer_engine)"
         )
     attention = get_gpt_layer_r3_spec(qk_layernorm=qk_layernorm).submodules
     dense = get_gpt_layer_r3_spec().submodules

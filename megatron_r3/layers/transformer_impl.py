@@ -5,7 +5,9 @@
 rows and context parallelism, TE's fused norm and linear layers, ``TEGroupedMLP`` experts
 with ``moe_grouped_gemm``). ``local`` is :func:`~megatron_r3.layers.specs.get_gpt_decoder_block_r3_spec`:
 Megatron's local modules with this package's norm, attention and grouped experts, which run
-every layout without TransformerEngine, on CPUs too.
+every layout without TransformerEngine, on CPUs too. A HybridModel's stack
+(:func:`hybrid_stack_spec`) comes from Megatron's TE hybrid spec or from
+:func:`~megatron_r3.layers.hybrid_specs.get_hybrid_stack_r3_spec` the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_r3.layers.hybrid_pattern import check_hybrid_layer_pattern
+from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
 from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec, grouped_gemm_experts_spec
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -104,14 +109,47 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
     return block
 
 
+def hybrid_stack_spec(config: TransformerConfig, hybrid_layer_pattern: str,
+                      grouped_gemm_impl: str = "transformer_engine") -> ModuleSpec:
+    """The ``hybrid_stack_spec`` of a HybridModel of ``hybrid_layer_pattern`` for ``config.transformer_impl``.
+
+    The local layers are :func:`~megatron_r3.layers.hybrid_specs.get_hybrid_stack_r3_spec`
+    (``*``, ``-``, ``E``); TransformerEngine's are Megatron's ``hybrid_stack_spec`` (every layer
+    symbol), whose MoE layers get the experts ``config`` asks for: ``TEGroupedMLP`` (or, with
+    ``grouped_gemm_impl="torch"``, :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts`)
+    with ``moe_grouped_gemm``, else ``SequentialMLP`` of TE linears (Megatron's spec always has
+    grouped experts).
+    """
+    if config.transformer_impl != "transformer_engine":
+        return get_hybrid_stack_r3_spec(hybrid_layer_pattern, config.num_moe_experts,
+                                        moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
+
+    check_hybrid_layer_pattern(hybrid_layer_pattern)
+    moe = get_moe_module_spec(use_te=True, num_experts=config.num_moe_experts,
+                              moe_grouped_gemm=config.moe_grouped_gemm)
+    if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
+        moe = _with_experts(moe, grouped_gemm_experts_spec())
+    moe_layer = te_hybrid_stack_spec.submodules.moe_layer
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=moe))
+    return dataclasses.replace(
+        te_hybrid_stack_spec, submodules=dataclasses.replace(te_hybrid_stack_spec.submodules, moe_layer=moe_layer))
+
+
 def with_experts(block: TransformerBlockSubmodules, experts) -> TransformerBlockSubmodules:
     """``block`` with the experts of every MoE layer built by ``experts`` (the rest unchanged)."""
     layers = []
     for spec in block.layer_specs:
         mlp = spec.submodules.mlp
         if isinstance(mlp, partial) and mlp.func is MoELayer:
-            submodules = dataclasses.replace(mlp.keywords["submodules"], experts=experts)
-            mlp = partial(MoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+            mlp = _with_experts(mlp, experts)
             spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
         layers.append(spec)
     return dataclasses.replace(block, layer_specs=layers)
+
+
+def _with_experts(moe: partial, experts) -> partial:
+    """The MoE layer builder ``moe`` (a ``partial`` of ``MoELayer``) with its experts built by ``experts``."""
+    submodules = dataclasses.replace(moe.keywords["submodules"], experts=experts)
+    return partial(MoELayer, *moe.args, **{**moe.keywords, "submodules": submodules})

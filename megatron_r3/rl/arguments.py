@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_r3.layers.moe_layers import parse_moe_layer_freq
+from megatron_r3.layers.hybrid_pattern import hybrid_num_layers
+from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
@@ -22,14 +23,23 @@ from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
 from megatron_r3.routing_replay import add_routing_replay_args
 
-DESCRIPTION = "RL training of a Megatron GPT MoE with rollout routing replay (R3)."
+DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Megatron-style flags; every one has a default that makes a small embedded run."""
     parser = argparse.ArgumentParser(description=DESCRIPTION, prog="pretrain_gpt_r3.py")
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=8)
+    model.add_argument("--num-layers", type=int, default=None,
+                       help="decoder layers (default 8, or --hybrid-layer-pattern's layer count)")
+    model.add_argument("--hybrid-layer-pattern", default=None,
+                       help="build a HybridModel (megatron-core 0.19's successor of GPTModel) of these layers, in "
+                            "Megatron-LM's syntax: one symbol per layer, '*' attention, '-' MLP, 'E' MoE (and, with "
+                            "TransformerEngine's layers, 'M' Mamba, 'G' gated delta net, '+' MLA, 'D' DSA); '|' "
+                            "between pipeline segments, --pipeline-model-parallel-size of them or a multiple "
+                            "(virtual stages). It sets --num-layers; the MoE layers are its 'E's. Default: a "
+                            "GPTModel of --num-layers layers, each attention then an MLP or MoE (--moe-layer-freq); "
+                            "'*E' repeated --num-layers times is the same stack as a HybridModel")
     model.add_argument("--hidden-size", type=int, default=128)
     model.add_argument("--ffn-hidden-size", type=int, default=256)
     model.add_argument("--num-attention-heads", type=int, default=4)
@@ -37,8 +47,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--num-experts", type=int, default=8)
     model.add_argument("--moe-router-topk", type=int, default=2)
     model.add_argument("--moe-ffn-hidden-size", type=int, default=128)
-    model.add_argument("--moe-layer-freq", default="1",
-                       help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated")
+    model.add_argument("--moe-layer-freq", default=None,
+                       help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated (default 1: "
+                            "every layer; a GPTModel's flag: --hybrid-layer-pattern places its MoE layers itself)")
     model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     grouped = model.add_mutually_exclusive_group()
     grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
@@ -224,8 +235,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def layer_freq(args: argparse.Namespace):
-    """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list)."""
-    return parse_moe_layer_freq(args.moe_layer_freq)
+    """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list; default 1)."""
+    return parse_moe_layer_freq(args.moe_layer_freq or "1")
+
+
+def moe_layers_of(args: argparse.Namespace) -> tuple[int, ...]:
+    """The model's MoE layers (global 1-based numbers): a HybridModel's ``E`` layers, or a GPTModel's
+    from ``--moe-layer-freq``."""
+    if args.hybrid_layer_pattern is not None:
+        return hybrid_moe_layers(args.hybrid_layer_pattern)
+    return model_moe_layers(args.num_layers, layer_freq(args))
 
 
 def task_of(args: argparse.Namespace) -> SymbolTask:
@@ -257,6 +276,16 @@ def _world_size() -> int:
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fills the defaults that depend on other flags and checks that they fit together (idempotent)."""
     tp = args.tensor_model_parallel_size
+    if args.hybrid_layer_pattern is not None:
+        # The pattern sets the layer count, as in Megatron-LM, which warns and takes the pattern's
+        # count over a different --num-layers; here a different count is refused.
+        count = hybrid_num_layers(args.hybrid_layer_pattern)
+        if args.num_layers not in (None, count):
+            raise ValueError(f"--num-layers {args.num_layers} does not match --hybrid-layer-pattern "
+                             f"{args.hybrid_layer_pattern!r}, which has {count} layers (leave --num-layers out)")
+        args.num_layers = count
+    elif args.num_layers is None:
+        args.num_layers = 8
     if args.rollout_dump is None and args.global_batch_size is None:
         args.global_batch_size = 32
     if args.micro_batch_size is None:

@@ -1,27 +1,32 @@
-"""The policy's (and the rollout engine's) TransformerConfig and GPT model chunks, from the flags.
+"""The policy's (and the rollout engine's) TransformerConfig and model chunks, from the flags.
 
-The one place a GPT is made from settings: the launcher, the benchmarks and the tests
+The one place a model is made from settings: the launcher, the benchmarks and the tests
 (``tests/support/tiny_moe.py``, through the same flags) build theirs here, so all of them
 run the same layers under the same settings: TransformerEngine's through Megatron's TE specs,
-or the local ones (:mod:`megatron_r3.layers.transformer_impl`, ``--transformer-impl``).
+or the local ones (:mod:`megatron_r3.layers.transformer_impl`, ``--transformer-impl``). The
+model is a GPTModel, or with ``--hybrid-layer-pattern`` a HybridModel of that pattern.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.layers.transformer_impl import (
     TE_ONLY_FLAGS,
     decoder_block_spec,
+    hybrid_stack_spec,
     resolve_grouped_gemm_impl,
     resolve_transformer_impl,
 )
+from megatron_r3.layers.hybrid_pattern import hybrid_virtual_stages
 from megatron_r3.rl.arguments import layer_freq
 from megatron_r3.routing_replay import routing_replay_check_kwargs
 
@@ -63,6 +68,9 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
     if transformer_impl == "transformer_engine":
         te_fields = dict(cp_comm_type=args.cp_comm_type, moe_permute_fusion=args.moe_permute_fusion,
                          moe_router_fusion=args.moe_router_fusion)
+    virtual_stages = args.num_virtual_stages_per_pipeline_rank
+    if args.hybrid_layer_pattern is not None:  # its '|' segments make the virtual stages
+        virtual_stages = hybrid_virtual_stages(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
     bf16 = rollout_engine or (args.bf16 if args.bf16 is not None else transformer_impl == "transformer_engine")
     dtype = torch.bfloat16 if bf16 else torch.float32
     recompute = {}
@@ -84,13 +92,14 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
         moe_layer_freq=layer_freq(args),
+        is_hybrid_model=args.hybrid_layer_pattern is not None,
         moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm or rollout_engine,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        virtual_pipeline_model_parallel_size=virtual_stages,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         context_parallel_size=args.context_parallel_size,
@@ -131,15 +140,17 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
     return TransformerConfig(**from_flags, **{**fixed, **fields})
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig, device: torch.device) -> list[GPTModel]:
-    """This rank's model chunks, one per virtual pipeline stage."""
+def build_model(args: argparse.Namespace, config: TransformerConfig,
+                device: torch.device) -> list[Union[GPTModel, HybridModel]]:
+    """This rank's model chunks, one per virtual pipeline stage: GPTModels, or HybridModels of
+    ``--hybrid-layer-pattern`` (each chunk builds its ``|`` segment)."""
     vp = config.virtual_pipeline_model_parallel_size
     grouped_gemm_impl = resolve_grouped_gemm_impl(args.moe_grouped_gemm_impl, config.transformer_impl)
+    pattern = args.hybrid_layer_pattern
     chunks = []
     for vp_stage in range(vp) if vp else [None]:
-        chunks.append(GPTModel(
+        common = dict(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage, grouped_gemm_impl=grouped_gemm_impl),
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings or args.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -147,5 +158,12 @@ def build_model(args: argparse.Namespace, config: TransformerConfig, device: tor
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope",
             vp_stage=vp_stage,
-        ).to(device))
+        )
+        if pattern is None:
+            spec = decoder_block_spec(config, vp_stage=vp_stage, grouped_gemm_impl=grouped_gemm_impl)
+            chunk = GPTModel(transformer_layer_spec=spec, **common)
+        else:
+            spec = hybrid_stack_spec(config, pattern, grouped_gemm_impl=grouped_gemm_impl)
+            chunk = HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, **common)
+        chunks.append(chunk.to(device))
     return chunks

@@ -18,8 +18,7 @@ from megatron_r3.dataplane.dump_checks import check_dump_fits
 from megatron_r3.dataplane.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import model_moe_layers
-from megatron_r3.rl.arguments import layer_freq, task_of
+from megatron_r3.rl.arguments import moe_layers_of, task_of
 from megatron_r3.rl.policy_loss import group_advantages
 from megatron_r3.rl.rollout_engine import RolloutEngine
 from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microbatch_problem
@@ -28,7 +27,7 @@ from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microba
 def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
     """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
     check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
-                    model_moe_layers=model_moe_layers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
+                    model_moe_layers=moe_layers_of(args), vocab_size=args.vocab_size,
                     seq_length=args.seq_length)
 
 

@@ -83,9 +83,9 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     try:
         config = transformer_config(args, device)
         chunks = build_model(args, config, device)
-        spec = RoutingSpec.from_config(config)
+        spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
-                         args.micro_batch_size, device)
+                         args.micro_batch_size, device, args.hybrid_layer_pattern)
         stack = build_training_stack(chunks, config, args)
         trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings.from_args(args),
                                 PhaseTimer(device, args.count_host_syncs))

@@ -28,6 +28,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.dataplane.dump_checks import check_records, repeated_records
 from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.layers.hybrid_pattern import (
+    check_hybrid_layer_pattern,
+    hybrid_mtp_depths,
+    hybrid_pipeline_segments,
+    hybrid_virtual_stages,
+)
 from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
 
 
@@ -73,6 +79,11 @@ def value_problems(args: argparse.Namespace) -> list[str]:
                         f"{args.task_max_symbols}")
     if args.task_num_symbols < 2:
         problems.append(f"--task-num-symbols must be >= 2, got {args.task_num_symbols}")
+    if args.hybrid_layer_pattern is not None:
+        try:
+            check_hybrid_layer_pattern(args.hybrid_layer_pattern, name="--hybrid-layer-pattern")
+        except ValueError as error:
+            problems.append(str(error))
     return problems
 
 
@@ -108,11 +119,14 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
                         f"under expert-TP), it is {etp}: pass --expert-tensor-parallel-size 1")
     if groups % tp:
         problems.append(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
-    try:
-        model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
-    except ValueError as error:
-        problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --num-layers {args.num_layers}: {error}")
-    problems += _pipeline_problems(args)
+    if args.hybrid_layer_pattern is None:
+        try:
+            model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq or "1"))
+        except ValueError as error:
+            problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --num-layers {args.num_layers}: {error}")
+        problems += _pipeline_problems(args)
+    else:
+        problems += _hybrid_pattern_problems(args)
     if args.seq_length is not None:
         cp = args.context_parallel_size
         alignment = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
@@ -158,6 +172,51 @@ def _pipeline_problems(args: argparse.Namespace) -> list[str]:
     if sorted(n for chunk in chunks for n in chunk) != list(range(1, args.num_layers + 1)) or min(counts) < 0:
         return [f"{', '.join(flags)}: the pipeline chunks would build {counts} layers, not each of the "
                 f"{args.num_layers} layers once"]
+    return []
+
+
+def _hybrid_pattern_problems(args: argparse.Namespace) -> list[str]:
+    """A ``--hybrid-layer-pattern`` with the flags it replaces, its MTP depths and its pipeline split.
+
+    As Megatron-LM: the pattern's ``|`` segments make the pipeline stages and virtual stages
+    (``--num-virtual-stages-per-pipeline-rank`` is refused), ``--decoder-first/last-pipeline-num-layers``
+    only split a pattern without ``|``, and its ``E`` layers are the MoE layers.
+    """
+    pattern, pp = args.hybrid_layer_pattern, args.pipeline_model_parallel_size
+    flag = f"--hybrid-layer-pattern {pattern!r}"
+    problems = []
+    if args.moe_layer_freq is not None:
+        problems.append(f"--moe-layer-freq {args.moe_layer_freq} with {flag}: the pattern's 'E' layers are the MoE "
+                        "layers (leave --moe-layer-freq out)")
+    if hybrid_mtp_depths(pattern):
+        problems.append(f"{flag} has MTP layers (after '/'): the launcher trains no multi-token prediction "
+                        "(leave out the '/' part)")
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        problems.append(f"--num-virtual-stages-per-pipeline-rank with {flag}: the pattern's '|' segments make "
+                        "the virtual stages (pp x virtual stages segments)")
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    segments = hybrid_pipeline_segments(pattern)
+    if segments > 1 and (first is not None or last is not None):
+        problems.append(f"--decoder-first/last-pipeline-num-layers with {flag}: its '|' segments are the "
+                        "pipeline stages")
+    if problems:
+        return problems
+    if pp == 1 and (first is not None or last is not None):
+        return ["--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"]
+    try:
+        vp = hybrid_virtual_stages(pattern, pp)
+        config = TransformerConfig(num_layers=args.num_layers, hidden_size=1, num_attention_heads=1,
+                                   pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                                   num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                   pipeline_dtype=torch.float32, is_hybrid_model=True, cuda_graph_modules=[])
+        for stage in chunk_vp_stages(config):
+            for rank in range(pp):
+                chunk_layers(config, rank, stage, hybrid_layer_pattern=pattern)
+    except (ValueError, AssertionError) as error:
+        return [f"{flag}, --pipeline-model-parallel-size {pp}: {' '.join(str(error).split())}"]
+    if segments == 1 and pp > 1 and first is None and last is None and args.num_layers % pp:
+        return [f"{flag} has {args.num_layers} layers and no '|': they split evenly over "
+                f"--pipeline-model-parallel-size {pp} only if divisible (or mark the stages with '|')"]
     return []
 
 
