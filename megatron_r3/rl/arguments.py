@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_r3.layers.hybrid_pattern import hybrid_num_layers
+from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
 from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.policy_trainer import REPLAY_MODES
@@ -237,6 +237,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def layer_freq(args: argparse.Namespace):
     """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list; default 1)."""
     return parse_moe_layer_freq(args.moe_layer_freq or "1")
+
+
+def virtual_pipeline_stages(args: argparse.Namespace) -> Optional[int]:
+    """Virtual pipeline stages per rank: ``--num-virtual-stages-per-pipeline-rank``, or as Megatron-LM
+    derives them from ``--hybrid-layer-pattern`` (its ``|`` segments per pipeline rank)."""
+    if args.hybrid_layer_pattern is None:
+        return args.num_virtual_stages_per_pipeline_rank
+    return hybrid_virtual_stages(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
 
 
 def moe_layers_of(args: argparse.Namespace) -> tuple[int, ...]:

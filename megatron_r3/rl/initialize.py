@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_r3.rl import single_rank_group
+from megatron_r3.rl.arguments import virtual_pipeline_stages
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
 
@@ -29,7 +30,7 @@ def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.num_virtual_stages_per_pipeline_rank,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,

@@ -26,8 +26,7 @@ from megatron_r3.layers.transformer_impl import (
     resolve_grouped_gemm_impl,
     resolve_transformer_impl,
 )
-from megatron_r3.layers.hybrid_pattern import hybrid_virtual_stages
-from megatron_r3.rl.arguments import layer_freq
+from megatron_r3.rl.arguments import layer_freq, virtual_pipeline_stages
 from megatron_r3.routing_replay import routing_replay_check_kwargs
 
 
@@ -68,9 +67,6 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
     if transformer_impl == "transformer_engine":
         te_fields = dict(cp_comm_type=args.cp_comm_type, moe_permute_fusion=args.moe_permute_fusion,
                          moe_router_fusion=args.moe_router_fusion)
-    virtual_stages = args.num_virtual_stages_per_pipeline_rank
-    if args.hybrid_layer_pattern is not None:  # its '|' segments make the virtual stages
-        virtual_stages = hybrid_virtual_stages(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
     bf16 = rollout_engine or (args.bf16 if args.bf16 is not None else transformer_impl == "transformer_engine")
     dtype = torch.bfloat16 if bf16 else torch.float32
     recompute = {}
@@ -99,7 +95,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_stages,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         context_parallel_size=args.context_parallel_size,

@@ -1,6 +1,7 @@
 # Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
 """Per-microbatch routing replay (MoERouting) through HybridModel, beside test_moe_routing.py.
 
+The MoE layers of a hybrid MTP block replay too, numbered after the decoder's.
 HybridModel's own stack specs need TransformerEngine; these CPU tests build the stack from
 Megatron's local modules (megatron_r3.layers.hybrid_specs), for patterns of attention (``*``),
 MLP (``-``) and MoE (``E``) layers.
@@ -229,9 +230,15 @@ class TestMoERoutingInHybridModel:
 
 
 class TestMoERoutingInHybridMTP:
-    """The MoE layers of a hybrid MTP block route live; routes for them are refused."""
+    """hybrid: replay MoERouting in the MoE layers of a hybrid MTP block.
 
-    PATTERN = "*E*E/*E"
+    MTP depth ``k`` of ``*E*E/*E/*E`` runs the pattern ``*E``: a MoERouting numbers its layers
+    after the decoder's and the earlier depths' (``num_layers + (k - 1) * 2 + j``), so the MoE
+    layers of the two depths are 6 and 8, as GPTModel's MTP layers are ``num_layers + k``.
+    """
+
+    PATTERN = "*E*E/*E/*E"
+    DECODER, MTP = [2, 4], [6, 8]
 
     def setup_method(self, method):
         Utils.initialize_model_parallel(1, 1)
@@ -240,33 +247,63 @@ class TestMoERoutingInHybridMTP:
         Utils.destroy_model_parallel()
 
     def _model(self):
-        model = _hybrid(self.PATTERN, mtp_num_layers=1)
+        model = _hybrid(self.PATTERN, mtp_num_layers=2)
         model.eval()  # the MTP block runs; its training-only loss logging (CUDA-only) does not
         return model
 
-    def test_the_decoder_replays_and_the_mtp_moe_layer_routes_live(self):
-        model = self._model()
+    def _forward(self, model, routing):
         tokens, position_ids, _ = make_batch()
-        mtp_router = [m for m in model.mtp.modules() if isinstance(m, MoELayer)][0].router
-        mtp_maps = []
-        mtp_router.register_forward_hook(lambda r, a, out: mtp_maps.append(out[1].clone()))
-        routing = _forced([2, 4], tokens.numel(), seed=4, every_token_routed=True)
-        with torch.no_grad(), routing_maps(model.decoder) as seen:
+        with torch.no_grad(), routing_maps(model) as seen:
             model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
-        for row, layer in enumerate([2, 4]):
-            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
-        # The MTP router's map is its own top-k, not any replayed row.
-        assert len(mtp_maps) == 1
-        assert mtp_maps[0].sum(dim=-1).eq(TOPK).all()
-        assert all(not torch.equal(mtp_maps[0], as_routing_map(ids)) for ids in routing.expert_ids)
+        return seen
 
-    def test_routes_for_mtp_layers_are_refused(self):
+    def test_mtp_moe_layers_are_numbered_after_the_decoder_depth_by_depth(self):
         model = self._model()
-        tokens, position_ids, _ = make_batch()
-        routing = _forced([2, 4, 5], tokens.numel())
-        with pytest.raises(ValueError, match="MoE layers \\[5\\].*hybrid MTP block route live"):
-            with torch.no_grad():
-                model(tokens, position_ids, None, extra_block_kwargs={"moe_routing": routing})
+        assert model.decoder.moe_layer_numbers == self.DECODER
+        assert model.mtp.moe_layer_numbers == self.MTP
+
+    def test_forced_routes_replay_in_the_decoder_and_every_mtp_depth(self):
+        model = self._model()
+        layers = self.DECODER + self.MTP
+        routing = _forced(layers, make_batch()[0].numel(), seed=4, every_token_routed=True)
+        seen = self._forward(model, routing)
+        assert sorted(seen) == layers
+        for row, layer in enumerate(layers):
+            assert len(seen[layer]) == 1
+            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
+
+    def test_mtp_layers_without_rows_route_live(self):
+        model = self._model()
+        routing = _forced(self.DECODER, make_batch()[0].numel(), seed=4, every_token_routed=True)
+        seen = self._forward(model, routing)
+        for layer in self.MTP:  # their own top-k: TOPK experts per token, none of the rows given
+            assert seen[layer][0].sum(dim=-1).eq(TOPK).all()
+            assert all(not torch.equal(seen[layer][0], as_routing_map(ids)) for ids in routing.expert_ids)
+
+    def test_the_recording_covers_the_mtp_layers_and_replays_the_same_pass(self):
+        model = self._model()
+        tokens, position_ids, labels = make_batch()
+        layers = self.DECODER + self.MTP
+        recording = MoERouting(layers, record=True)
+        with torch.no_grad():
+            want = model(tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": recording})
+        recorded = recording.recorded_expert_ids()
+        assert recorded.shape == (len(layers), tokens.numel(), TOPK)
+        replay = MoERouting(layers, expert_ids=recorded, every_token_routed=True)
+        with torch.no_grad():
+            loss = model(tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": replay})
+        assert torch.equal(loss, want)
+
+    @pytest.mark.parametrize("layers, bad", [([2, 4, 5], [5]), ([2, 4, 6, 8, 10], [10])])
+    def test_routes_for_mtp_layers_the_model_does_not_build_are_refused(self, layers, bad):
+        model = self._model()
+        routing = _forced(layers, make_batch()[0].numel())
+        ran = []
+        for layer in model.decoder.layers:
+            layer.register_forward_pre_hook(lambda *args: ran.append("layer"))
+        with pytest.raises(ValueError, match=f"MoE layers \\{bad}.*MTP block builds MoE layers \\[6, 8\\]"):
+            self._forward(model, routing)
+        assert ran == []
 
 
 class TestMoERoutingAcrossHybridStages:
