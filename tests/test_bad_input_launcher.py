@@ -99,6 +99,31 @@ FLAG_CASES = [
                                   "--train-iters)"),
     (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"],
      "argument --use-checkpoint-opt-param-scheduler: not allowed with argument --override-opt-param-scheduler"),
+    (["--hybrid-layer-pattern", "*E?E"], "--hybrid-layer-pattern '*E?E': '?' at position 3: not a layer symbol"),
+    (["--hybrid-layer-pattern", "*E*E/*|E"],
+     "--hybrid-layer-pattern '*E*E/*|E': '|' at position 7: MTP layers (after '/') take no pipeline split"),
+    (["--hybrid-layer-pattern", "|/*E"], "--hybrid-layer-pattern '|/*E' has no decoder layer before its first '/'"),
+    (["--hybrid-layer-pattern", "*E*E/*E/E*"],
+     "--hybrid-layer-pattern '*E*E/*E/E*': MTP depth 2 is 'E*', depth 1 '*E'"),
+    (["--hybrid-layer-pattern", "*E+E"], "mixes attention ('*') with MLA ('+') or DSA ('D') layers"),
+    (["--hybrid-layer-pattern", "*E*E", "--num-layers", "8"],
+     "--num-layers 8 does not match --hybrid-layer-pattern '*E*E', which has 4 layers"),
+    (["--hybrid-layer-pattern", "*E*E", "--moe-layer-freq", "2"],
+     "--moe-layer-freq 2 with --hybrid-layer-pattern '*E*E': the pattern's 'E' layers are the MoE layers"),
+    (["--hybrid-layer-pattern", "*E*E/*E"], "--hybrid-layer-pattern '*E*E/*E' has MTP layers (after '/')"),
+    (["--hybrid-layer-pattern", "*E|*E|*E", "--pipeline-model-parallel-size", "2"],
+     "has 3 '|' segments, not a multiple of --pipeline-model-parallel-size 2"),
+    (["--hybrid-layer-pattern", "*E|*E|*E|*E", "--pipeline-model-parallel-size", "2",
+      "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--num-virtual-stages-per-pipeline-rank with --hybrid-layer-pattern '*E|*E|*E|*E': the pattern's '|' "
+     "segments make the virtual stages"),
+    (["--hybrid-layer-pattern", "*E|*E", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "1"],
+     "--decoder-first/last-pipeline-num-layers with --hybrid-layer-pattern '*E|*E': its '|' segments are the "
+     "pipeline stages"),
+    (["--hybrid-layer-pattern", "*E*E*", "--pipeline-model-parallel-size", "2"],
+     "--hybrid-layer-pattern '*E*E*', --pipeline-model-parallel-size 2: num_layers=5 should be divisible by "
+     "config.pipeline_model_parallel_size=2"),
 ]
 
 

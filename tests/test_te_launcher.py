@@ -84,3 +84,19 @@ def test_te_layers_with_torchs_grouped_experts_train_the_same_with_and_without_g
     for got, want in zip(with_graphs, eager, strict=True):
         assert {k: v for k, v in got.items() if k != "routing/host_split_microbatches"} == \
             {k: v for k, v in want.items() if k != "routing/host_split_microbatches"}
+
+
+@pytest.mark.parametrize("grouped_gemm_impl", ["transformer_engine", "torch"])
+def test_the_embedded_loop_replays_on_te_hybrid_layers(grouped_gemm_impl):
+    """A HybridModel of the same layers (dense, MoE, dense, MoE) from Megatron's TE hybrid spec, with
+    TE's or torch's grouped experts: every update microbatch replays the engine's routes."""
+    argv = (EMBEDDED[4:] + ["--hybrid-layer-pattern", "*-*E*-*E", "--moe-grouped-gemm-impl", grouped_gemm_impl,
+                            "--moe-enable-routing-replay"])
+    ((result),) = run_workers(train_worker, 1, argv, backend="nccl", timeout=300)
+    history = result["history"]
+    assert [m["iteration"] for m in history] == [1, 2, 3]
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        assert metrics["routing/replayed_tokens"] > 0 and metrics["routing/live_tokens"] == 0
+        assert sorted(k for k in metrics if k.startswith("routing/agreement/layer_")) == [
+            "routing/agreement/layer_4", "routing/agreement/layer_8"]

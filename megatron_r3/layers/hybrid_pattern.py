@@ -90,7 +90,7 @@ def hybrid_virtual_stages(pattern: str, pipeline_model_parallel_size: int) -> Op
     if segments == 1:
         return None
     if segments % pipeline_model_parallel_size:
-        raise ValueError(f"{name} {pattern!r} has {segments} '|' segments, not a multiple of "
+        raise ValueError(f"hybrid layer pattern {pattern!r} has {segments} '|' segments, not a multiple of "
                          f"--pipeline-model-parallel-size {pipeline_model_parallel_size} (each pipeline rank "
                          "builds the same number of segments, one per virtual stage)")
     stages = segments // pipeline_model_parallel_size

@@ -214,9 +214,6 @@ def _hybrid_pattern_problems(args: argparse.Namespace) -> list[str]:
                 chunk_layers(config, rank, stage, hybrid_layer_pattern=pattern)
     except (ValueError, AssertionError) as error:
         return [f"{flag}, --pipeline-model-parallel-size {pp}: {' '.join(str(error).split())}"]
-    if segments == 1 and pp > 1 and first is None and last is None and args.num_layers % pp:
-        return [f"{flag} has {args.num_layers} layers and no '|': they split evenly over "
-                f"--pipeline-model-parallel-size {pp} only if divisible (or mark the stages with '|')"]
     return []
 
 

@@ -79,3 +79,33 @@ def test_with_experts_swaps_the_experts_of_moe_layers_only():
     experts = swapped.layer_specs[1].submodules.mlp.keywords["submodules"].experts
     assert experts.func is GroupedGemmExperts
     assert moe.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP  # the input is unchanged
+
+
+def test_the_hybrid_layer_pattern_sets_the_layers_and_the_virtual_stages():
+    gpt = transformer_config(parse_args([]), CPU)
+    assert not gpt.is_hybrid_model and gpt.num_layers == 8
+    flags = ["--hybrid-layer-pattern", "*-|*E|*-|*E", "--pipeline-model-parallel-size", "2"]
+    config = transformer_config(parse_args(flags), CPU)
+    assert config.is_hybrid_model and config.num_layers == 8
+    assert config.virtual_pipeline_model_parallel_size == 2  # 4 segments over 2 pipeline ranks
+    flags = ["--hybrid-layer-pattern", "*-*E|*-*E", "--pipeline-model-parallel-size", "2"]
+    assert transformer_config(parse_args(flags), CPU).virtual_pipeline_model_parallel_size is None
+
+
+def test_the_local_hybrid_layers_refuse_other_layer_types_naming_their_position():
+    config = transformer_config(parse_args(["--hybrid-layer-pattern", "*E"]), CPU)
+    with pytest.raises(ValueError, match=r"'\*E-M': 'M' \(Mamba\) at position 4: the local hybrid layers are only"):
+        transformer_impl.hybrid_stack_spec(config, "*E-M")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not transformer_impl.transformer_engine_installed(), reason="needs TransformerEngine")
+@pytest.mark.parametrize("grouped, impl, experts", [
+    (True, "transformer_engine", "TEGroupedMLP"), (True, "torch", "GroupedGemmExperts"), (False, None, "SequentialMLP"),
+])
+def test_te_hybrid_layers_get_the_experts_asked_for(grouped, impl, experts):
+    config = transformer_config(parse_args(["--hybrid-layer-pattern", "*E", "--transformer-impl", "transformer_engine",
+                                            "--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm"]), GPU)
+    spec = transformer_impl.hybrid_stack_spec(config, "*E", grouped_gemm_impl=impl or "transformer_engine")
+    moe = spec.submodules.moe_layer.submodules.mlp
+    assert moe.keywords["submodules"].experts.func.__name__ == experts
