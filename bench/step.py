@@ -7,7 +7,7 @@
 The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher, grouped
 experts, bf16; by default 8 layers of a Qwen3-30B-A3B-like shape: hidden 2048, 32 heads in 4
 query groups, 128 experts top-8 with SwiGLU FFNs of 768, and TransformerEngine's layers where
-TE is installed, ``--transformer-impl``) runs the trainer's update pass (forward and backward of
+TE is installed, ``--transformer-impl``; or a HybridModel of ``--hybrid-layer-pattern``) runs the trainer's update pass (forward and backward of
 ``--microbatches`` packed THD rows through Megatron's schedule, the clipped policy-gradient
 loss) on the same samples, prepared by the loop's microbatch pipeline
 (:mod:`megatron_r3.dataplane.microbatch_pipeline`, one microbatch ahead), several ways:

@@ -111,6 +111,8 @@ FLAG_CASES = [
     (["--hybrid-layer-pattern", "*E*E", "--moe-layer-freq", "2"],
      "--moe-layer-freq 2 with --hybrid-layer-pattern '*E*E': the pattern's 'E' layers are the MoE layers"),
     (["--hybrid-layer-pattern", "*E*E/*E"], "--hybrid-layer-pattern '*E*E/*E' has MTP layers (after '/')"),
+    (["--hybrid-layer-pattern", "*E|*E"],
+     "--hybrid-layer-pattern '*E|*E' has 2 '|' segments: pipeline segments need --pipeline-model-parallel-size > 1"),
     (["--hybrid-layer-pattern", "*E|*E|*E", "--pipeline-model-parallel-size", "2"],
      "has 3 '|' segments, not a multiple of --pipeline-model-parallel-size 2"),
     (["--hybrid-layer-pattern", "*E|*E|*E|*E", "--pipeline-model-parallel-size", "2",

@@ -1,9 +1,11 @@
-"""Routing replay through a HybridModel split over two pipeline ranks by its pattern's ``|``.
+"""Routing replay through a HybridModel under parallel layouts.
 
-Both ranks build their stage of ``*E-|E*E`` with the weights of one whole model, run
-Megatron's 1F1B schedule with forced random routes (every 5th token without a route),
-and must take exactly the forced routes, with the loss and every gradient of a
-single-rank run of the whole pattern.
+The first test builds the stages of ``*E-|E*E`` by hand with the weights of one whole model,
+runs Megatron's 1F1B schedule with forced random routes (every 5th token without a route),
+and must take exactly the forced routes, with the loss and every gradient of a single-rank
+run of the whole pattern. The others run the replay matrix of tests/test_replay_layouts.py on
+the tiny MoE as a HybridModel (``--hybrid-layer-pattern``, the same layers as the GPT's:
+dense, MoE, dense, MoE), the pipeline stages and virtual stages from the pattern's ``|``.
 """
 
 from functools import partial
@@ -19,7 +21,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
 from megatron_r3.layers.moe_layers import hybrid_moe_layers
 from megatron_r3.routing_replay import chunk_moe_layers, moe_routing_for_chunk
+from tests.support.harness import Step
 from tests.support.launcher import run_workers
+from tests.support.parallel import Layout
+from tests.support.replay_layouts import random_forced_routes, run_replay_layout
+from tests.support.tiny_moe import TinyMoE
+from tests.test_layouts import BSHD_DATA
+from tests.test_replay_layouts import assert_replay_matches, replay_reference
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +149,31 @@ def test_pp2_stages_split_by_the_pattern_replay_forced_routes():
     assert grads.keys() == reference["grads"].keys()
     for name, want in reference["grads"].items():
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+WHOLE = "*-*E*-*E"
+# Layout name: (layout, the pattern it runs: its '|' segments are the layout's pipeline stages).
+HYBRID_LAYOUTS = {
+    "tp2-sp": (Layout(tp=2, sp=True), WHOLE),
+    "ep2-dp2-alltoall": (Layout(ep=2, dp=2, dispatcher="alltoall"), WHOLE),
+    "cp2": (Layout(cp=2), WHOLE),
+    "pp2-split-by-pattern": (Layout(pp=2), "*-*E|*-*E"),
+    "pp2-vp2-split-by-pattern": (Layout(pp=2), "*-|*E|*-|*E"),
+    "pp2-even-split": (Layout(pp=2), WHOLE),
+}
+HYBRID_FORCED = random_forced_routes(TinyMoE(hybrid_layer_pattern=WHOLE), BSHD_DATA.num_tokens, 13, 7)
+
+
+@pytest.fixture(scope="module")
+def hybrid_replay_reference():
+    step = Step(model=TinyMoE(hybrid_layer_pattern=WHOLE))
+    (result,) = run_workers(run_replay_layout, 1, Layout(), BSHD_DATA, step, HYBRID_FORCED)
+    return replay_reference(result, BSHD_DATA, HYBRID_FORCED)
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_LAYOUTS))
+def test_hybrid_layout_replays_forced_routes(name, hybrid_replay_reference):
+    layout, pattern = HYBRID_LAYOUTS[name]
+    step = Step(model=TinyMoE(hybrid_layer_pattern=pattern))
+    results = run_workers(run_replay_layout, layout.world_size, layout, BSHD_DATA, step, HYBRID_FORCED)
+    assert_replay_matches(hybrid_replay_reference, results, BSHD_DATA)

@@ -46,7 +46,9 @@ def _taken_and_recorded(results, data):
     return taken_and_recorded(results, data.num_tokens, MODEL.topk)
 
 
-def _reference(result, data, forced):
+def replay_reference(result, data, forced):
+    """A single-rank replay run checked (forced routes taken, live decisions far from a tie, routers with
+    gradients): its per-token losses, gradients and routes taken."""
     taken = _taken_and_recorded([result], data)
     assert sorted(taken) == sorted(forced)
     for layer, experts in forced.items():
@@ -66,7 +68,8 @@ def _reference(result, data, forced):
     return full_token_losses([result], data.num_tokens), grads, taken
 
 
-def _assert_matches(reference, results, data):
+def assert_replay_matches(reference, results, data):
+    """A layout took the reference's routes, with its losses and gradients."""
     ref_losses, ref_grads, ref_routes = reference
     taken = _taken_and_recorded(results, data)
     assert taken.keys() == ref_routes.keys()
@@ -80,7 +83,7 @@ def _assert_matches(reference, results, data):
 @pytest.fixture(scope="module")
 def bshd_replay_reference():
     (result,) = run_workers(run_replay_layout, 1, Layout(), BSHD_DATA, Step(), BSHD_FORCED)
-    return _reference(result, BSHD_DATA, BSHD_FORCED)
+    return replay_reference(result, BSHD_DATA, BSHD_FORCED)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def thd_replay_reference():
     (result,) = run_workers(
         run_replay_layout, 1, Layout(), THD_DATA, Step(micro_batch_size=1), THD_FORCED
     )
-    return _reference(result, THD_DATA, THD_FORCED)
+    return replay_reference(result, THD_DATA, THD_FORCED)
 
 
 @pytest.mark.parametrize("layout", BSHD_LAYOUTS, ids=lambda layout: layout.name)
@@ -96,7 +99,7 @@ def test_bshd_layout_replays_forced_routes(layout, bshd_replay_reference):
     results = run_workers(
         run_replay_layout, layout.world_size, layout, BSHD_DATA, Step(), BSHD_FORCED
     )
-    _assert_matches(bshd_replay_reference, results, BSHD_DATA)
+    assert_replay_matches(bshd_replay_reference, results, BSHD_DATA)
 
 
 @pytest.mark.parametrize("layout", THD_LAYOUTS, ids=lambda layout: layout.name)
@@ -104,7 +107,7 @@ def test_packed_layout_replays_forced_routes(layout, thd_replay_reference):
     results = run_workers(
         run_replay_layout, layout.world_size, layout, THD_DATA, Step(micro_batch_size=2), THD_FORCED
     )
-    _assert_matches(thd_replay_reference, results, THD_DATA)
+    assert_replay_matches(thd_replay_reference, results, THD_DATA)
 
 
 def test_interleaved_forward_only_replays_forced_routes(bshd_replay_reference):
@@ -138,7 +141,7 @@ def test_ep2_every_token_to_one_rank(dispatcher):
     )
     for layer in MODEL.moe_layers:
         assert (ref[2][layer] == torch.tensor([2, 3])).all()
-    _assert_matches(ref, results, BSHD_DATA)
+    assert_replay_matches(ref, results, BSHD_DATA)
 
 
 RECORD_THEN_REPLAY = [
@@ -229,6 +232,6 @@ def test_router_variants_replay_under_layouts(variant):
             run_replay_layout, layout.world_size, layout, BSHD_DATA, step, forced
         )
         try:
-            _assert_matches(reference, results, BSHD_DATA)
+            assert_replay_matches(reference, results, BSHD_DATA)
         except AssertionError as error:
             raise AssertionError(f"{layout.name}: {error}") from None

@@ -196,7 +196,10 @@ def _hybrid_pattern_problems(args: argparse.Namespace) -> list[str]:
                         "the virtual stages (pp x virtual stages segments)")
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     segments = hybrid_pipeline_segments(pattern)
-    if segments > 1 and (first is not None or last is not None):
+    if segments > 1 and pp == 1:
+        problems.append(f"{flag} has {segments} '|' segments: pipeline segments need --pipeline-model-parallel-size "
+                        "> 1 (leave out the '|' to run the pattern on one pipeline stage)")
+    elif segments > 1 and (first is not None or last is not None):
         problems.append(f"--decoder-first/last-pipeline-num-layers with {flag}: its '|' segments are the "
                         "pipeline stages")
     if problems:

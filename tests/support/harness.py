@@ -18,7 +18,7 @@ from tests.support.batches import Sequences, layout_microbatches
 from tests.support.parallel import Layout, init_parallel
 from tests.support.routes import RouterRecorder, full_routes
 from tests.support.schedule import forward_backward, forward_step
-from tests.support.tiny_moe import TinyMoE, build_gpt
+from tests.support.tiny_moe import TinyMoE, build_gpt, launcher_args
 from tests.support.weights import assemble, grad_shards
 
 
@@ -67,7 +67,7 @@ def run_layout(layout: Layout, data: Sequences, step: Step = Step()) -> dict:
     * ``"routes"`` and ``"router_margins"``: what a
       :class:`~tests.support.routes.RouterRecorder` recorded on this rank.
     """
-    device = init_parallel(layout)
+    device = init_parallel(layout, args=launcher_args(layout, step.model, step.flags))
     try:
         config, chunks = build_gpt(layout, step.model, step.seed, device, flags=step.flags,
                                    **dict(step.config_fields))

@@ -1,5 +1,6 @@
 """Parallel layouts and Megatron's parallel state inside a worker process."""
 
+import argparse
 import dataclasses
 from typing import Optional
 
@@ -94,12 +95,15 @@ class Layout:
         return flags
 
 
-def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
+def init_parallel(layout: Layout, seed: int = 1234, args: Optional[argparse.Namespace] = None) -> torch.device:
     """Set up Megatron's parallel state (as the launcher does, from ``layout.flags``) and RNG in this worker.
 
     Args:
         layout: The layout; its world size must match the process group's.
         seed: Seed of Megatron's RNG tracker (dropout, sharded init).
+        args: The launcher's flags of the layout and the model, where the model decides the
+            parallel state (a ``--hybrid-layer-pattern``'s segments make the virtual pipeline
+            stages); default: the layout's flags.
 
     Returns:
         The device this rank computes on.
@@ -107,7 +111,7 @@ def init_parallel(layout: Layout, seed: int = 1234) -> torch.device:
     assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
     # The launcher's defaults for the rest: only the parallel sizes are read. No test needs
     # Megatron's gloo copies of its groups (each one another group to build).
-    init_model_parallel(parse_args(layout.flags), create_gloo_process_groups=False)
+    init_model_parallel(args or parse_args(layout.flags), create_gloo_process_groups=False)
     device = worker_device()
     # Without CUDA the series gives Megatron a CPU RNG tracker (same named states).
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -13,6 +13,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_r3.layers.moe_layers import hybrid_moe_layers
 from megatron_r3.rl.arguments import parse_args
 from megatron_r3.rl.model_factory import build_model, transformer_config
 from tests.support.parallel import Layout
@@ -27,6 +28,8 @@ class TinyMoE:
     attention (4 heads, 2 groups), RoPE, fp32, no dropout, no load-balancing loss.
     Linear layers have no biases by default, as in most MoE models; with
     ``add_bias_linear`` (Megatron supports MoE biases only with expert-TP 1) they do.
+    With ``hybrid_layer_pattern`` the model is a HybridModel of that pattern
+    (``--hybrid-layer-pattern``) instead of a GPTModel of ``num_layers`` and ``moe_layer_freq``.
     """
 
     num_layers: int = 4
@@ -43,17 +46,24 @@ class TinyMoE:
     normalization: str = "LayerNorm"
     add_bias_linear: bool = False
     router_logit_std: float = 2.0
+    hybrid_layer_pattern: Optional[str] = None
 
     @property
     def moe_layers(self) -> list[int]:
         """0-based indices of the MoE layers."""
+        if self.hybrid_layer_pattern is not None:
+            return [n - 1 for n in hybrid_moe_layers(self.hybrid_layer_pattern)]
         return [i for i, is_moe in enumerate(self.moe_layer_freq) if is_moe]
 
     @property
     def flags(self) -> list[str]:
         """The launcher's flags for these hyper-parameters (``router_logit_std`` is the weights', not a flag)."""
+        if self.hybrid_layer_pattern is not None:
+            layers = ["--hybrid-layer-pattern", self.hybrid_layer_pattern]
+        else:
+            layers = ["--num-layers", str(self.num_layers), "--moe-layer-freq", ",".join(map(str, self.moe_layer_freq))]
         return [
-            "--num-layers", str(self.num_layers), "--moe-layer-freq", ",".join(map(str, self.moe_layer_freq)),
+            *layers,
             "--hidden-size", str(self.hidden_size), "--ffn-hidden-size", str(self.ffn_hidden_size),
             "--moe-ffn-hidden-size", str(self.moe_ffn_hidden_size),
             "--num-attention-heads", str(self.num_attention_heads), "--num-query-groups", str(self.num_query_groups),
