@@ -73,6 +73,11 @@ def megatron_engine_problem(args: argparse.Namespace, device: torch.device) -> O
     if split:
         return (f"it generates where a model replica is one GPU with one expert rank (data parallelism only); "
                 f"this run has {', '.join(split)}")
+    if args.hybrid_layer_pattern is not None:
+        # Megatron's hybrid inference context takes the pattern's layer types (KV cache for
+        # attention layers only), which this engine does not hand it.
+        return (f"its inference context is set up here for a GPTModel, whose every layer has attention; this run "
+                f"builds a HybridModel (--hybrid-layer-pattern {args.hybrid_layer_pattern!r})")
     return None
 
 

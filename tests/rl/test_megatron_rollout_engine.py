@@ -33,7 +33,7 @@ SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=4, topk=2)
 
 def _layout(**sizes) -> argparse.Namespace:
     flags = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                 expert_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=None)
+                 expert_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=None, hybrid_layer_pattern=None)
     return argparse.Namespace(**{**flags, **sizes})
 
 
@@ -62,6 +62,13 @@ def test_megatrons_engine_needs_a_replica_of_one_gpu_with_one_expert_rank(monkey
     assert megatron_engine_problem(_layout(), torch.device("cuda")) is None
     problem = megatron_engine_problem(_layout(**{flag: value}), torch.device("cuda"))
     assert problem.endswith(f"this run has --{flag.replace('_', '-')} {value}")
+
+
+def test_a_hybrid_model_generates_on_the_built_in_engine(monkeypatch):
+    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: None)
+    problem = megatron_engine_problem(_layout(hybrid_layer_pattern="*E*E"), torch.device("cuda"))
+    assert problem.endswith("this run builds a HybridModel (--hybrid-layer-pattern '*E*E')")
+    assert resolve_rollout_engine(parse_args(["--hybrid-layer-pattern", "*E*E"]), torch.device("cuda")) == "local"
 
 
 def _request(prompt, generated, logprobs, routing, status=Status.COMPLETED):
