@@ -48,14 +48,9 @@ with nothing saved and the iteration named. The process then exits with status
 
 from __future__ import annotations
 
-import gc
 import time
 
 STARTED = time.perf_counter()  # before the imports below (torch, Megatron), which take seconds
-if __name__ == "__main__":
-    # The imports make a few hundred thousand objects that live as long as the process: the
-    # collector's passes over them while they are made find nothing to free (main() freezes them).
-    gc.disable()
 
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -91,10 +86,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
                   f"{time.perf_counter() - imported:.1f}", flush=True)
-        # The imports' objects (torch, Megatron) live as long as the process: frozen, the
-        # collector's full passes and the exit's collections no longer walk them.
-        gc.freeze()
-        gc.enable()
         train(args, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
