@@ -71,7 +71,6 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron_r3.rl.arguments import parse_args  # noqa: E402
 from megatron_r3.rl.initialize import initialize  # noqa: E402
 from megatron_r3.rl.policy_trainer import NonFiniteStepError  # noqa: E402
-from megatron_r3.rl.quick_exit import exit_without_teardown  # noqa: E402
 from megatron_r3.rl.rollout_engine import RolloutEngineError  # noqa: E402
 from megatron_r3.rl.run import train  # noqa: E402
 
@@ -98,4 +97,3 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # the run is over and written; the teardown would only free memory
