@@ -60,12 +60,6 @@ from megatron_r3.known_warnings import filter_known_warnings  # noqa: E402
 filter_known_warnings()  # before Megatron's imports, which print most of them
 
 import torch.distributed as dist  # noqa: E402
-
-from megatron_r3.rl import early_cuda  # noqa: E402  (torch alone: it starts before Megatron's imports)
-
-if __name__ == "__main__":
-    early_cuda.start()  # the device's context, cuBLAS and kernel modules, on a thread, while Megatron imports
-
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_r3.rl.arguments import parse_args  # noqa: E402
@@ -80,7 +74,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     try:
         imported = time.perf_counter()
-        early_cuda.wait()
         device = initialize(args)
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
