@@ -101,9 +101,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parallel.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     parallel.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     parallel.add_argument("--recompute-num-layers", type=int, default=1)
-    parallel.add_argument("--distributed-backend", choices=("nccl", "gloo", "single_rank"), default=None,
-                          help="the process groups' backend (default: single_rank in a world of one rank, where "
-                               "every collective is a local copy; else nccl on GPUs, gloo on CPUs)")
+    parallel.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                          help="the process groups' backend (default: nccl on GPUs, gloo on CPUs)")
 
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,
