@@ -43,7 +43,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     grouped = model.add_mutually_exclusive_group()
     grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
                          help="the trainer's experts run as two grouped GEMMs per MoE layer (no TransformerEngine; "
-                              "with no host sync on one expert rank, fp32 included) instead of two GEMMs per "
+                              "with no host sync on one expert rank; on CUDA in bf16 only) instead of two GEMMs per "
                               "expert; the same parameters and checkpoints. The default here (Megatron-LM's is "
                               "off); the rollout engine always runs them so")
     grouped.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
