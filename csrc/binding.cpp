@@ -1,7 +1,6 @@
 // Thin pybind11 binding: argument checks, then dispatch on device to the kernel files.
 #include <torch/extension.h>
 
-#include "grouped_linear_kernels.h"
 #include "routes_kernels.h"
 
 namespace {
@@ -95,54 +94,10 @@ void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index,
   r3::scatter_routes_cpu(expert_ids, token_index, layer_index, out_ids, out_recorded);
 }
 
-#ifdef R3_WITH_CUDA
-// Shapes, dtypes and devices of a grouped linear call; the group ends stay on the device, unread.
-void check_grouped(const at::Tensor& rows, const at::Tensor& ends, const char* what) {
-  TORCH_CHECK(rows.is_cuda() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
-              what, " must be a contiguous float32 [rows, features] CUDA tensor");
-  TORCH_CHECK(ends.scalar_type() == at::kInt && ends.dim() == 1 && ends.is_contiguous() &&
-                  ends.device() == rows.device(),
-              "ends must be a contiguous int32 [groups] tensor on the rows' device");
-}
-
-void check_weight(const at::Tensor& weight, const at::Tensor& ends) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.is_contiguous() &&
-                  weight.device() == ends.device() && weight.size(0) == ends.size(0),
-              "weight must be a contiguous float32 [groups, out, in] tensor, one group per end, on the rows' device");
-}
-
-at::Tensor grouped_linear_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& ends) {
-  check_grouped(x, ends, "x");
-  check_weight(weight, ends);
-  TORCH_CHECK(x.size(1) == weight.size(2), "x has ", x.size(1), " features, weight takes ", weight.size(2));
-  at::Tensor out = at::zeros({x.size(0), weight.size(1)}, x.options());
-  r3::grouped_linear_forward_cuda(x, weight, ends, out);
-  return out;
-}
-
-at::Tensor grouped_linear_grad_input(const at::Tensor& grad, const at::Tensor& weight, const at::Tensor& ends) {
-  check_grouped(grad, ends, "grad");
-  check_weight(weight, ends);
-  TORCH_CHECK(grad.size(1) == weight.size(1), "grad has ", grad.size(1), " features, weight gives ", weight.size(1));
-  at::Tensor out = at::zeros({grad.size(0), weight.size(2)}, grad.options());
-  r3::grouped_linear_grad_input_cuda(grad, weight, ends, out);
-  return out;
-}
-
-at::Tensor grouped_linear_grad_weight(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& ends) {
-  check_grouped(grad, ends, "grad");
-  check_grouped(x, ends, "x");
-  TORCH_CHECK(grad.size(0) == x.size(0), "grad and x must have the same rows");
-  at::Tensor out = at::empty({ends.size(0), grad.size(1), x.size(1)}, grad.options());
-  r3::grouped_linear_grad_weight_cuda(grad, x, ends, out);
-  return out;
-}
-#endif
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record), fp32 grouped linear (CUDA)";
+  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record)";
 #ifdef R3_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
@@ -154,12 +109,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_routes", &scatter_routes, "this rank's recorded expert_ids -> global compact routes (in place)",
         py::arg("expert_ids"), py::arg("token_index"), py::arg("layer_index"), py::arg("out_ids"),
         py::arg("out_recorded"));
-#ifdef R3_WITH_CUDA
-  m.def("grouped_linear_forward", &grouped_linear_forward, "fp32 x . weight[g]^T per group of rows (CUDA)",
-        py::arg("x"), py::arg("weight"), py::arg("ends"));
-  m.def("grouped_linear_grad_input", &grouped_linear_grad_input, "fp32 grad . weight[g] per group of rows (CUDA)",
-        py::arg("grad"), py::arg("weight"), py::arg("ends"));
-  m.def("grouped_linear_grad_weight", &grouped_linear_grad_weight,
-        "fp32 grad_g^T . x_g for every group (CUDA)", py::arg("grad"), py::arg("x"), py::arg("ends"));
-#endif
 }

@@ -48,14 +48,9 @@ with nothing saved and the iteration named. The process then exits with status
 
 from __future__ import annotations
 
-import gc
 import time
 
 STARTED = time.perf_counter()  # before the imports below (torch, Megatron), which take seconds
-if __name__ == "__main__":
-    # The imports make a few hundred thousand objects that live as long as the process: the
-    # collector's passes over them while they are made find nothing to free (main() freezes them).
-    gc.disable()
 
 import sys  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -65,18 +60,11 @@ from megatron_r3.known_warnings import filter_known_warnings  # noqa: E402
 filter_known_warnings()  # before Megatron's imports, which print most of them
 
 import torch.distributed as dist  # noqa: E402
-
-from megatron_r3.rl import early_cuda  # noqa: E402  (torch alone: it starts before Megatron's imports)
-
-if __name__ == "__main__":
-    early_cuda.start()  # the device's context, cuBLAS and kernel modules, on a thread, while Megatron imports
-
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_r3.rl.arguments import parse_args  # noqa: E402
 from megatron_r3.rl.initialize import initialize  # noqa: E402
 from megatron_r3.rl.policy_trainer import NonFiniteStepError  # noqa: E402
-from megatron_r3.rl.quick_exit import exit_without_teardown  # noqa: E402
 from megatron_r3.rl.rollout_engine import RolloutEngineError  # noqa: E402
 from megatron_r3.rl.run import train  # noqa: E402
 
@@ -86,15 +74,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     try:
         imported = time.perf_counter()
-        early_cuda.wait()
         device = initialize(args)
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
                   f"{time.perf_counter() - imported:.1f}", flush=True)
-        # The imports' objects (torch, Megatron) live as long as the process: frozen, the
-        # collector's full passes and the exit's collections no longer walk them.
-        gc.freeze()
-        gc.enable()
         train(args, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
@@ -107,4 +90,3 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
-    exit_without_teardown()  # the run is over and written; the teardown would only free memory

@@ -60,10 +60,6 @@ if [ -n "$host_torch_site" ]; then
   # A .pth file, not --system-site-packages: the host python may itself be a venv.
   echo "$host_torch_site" > "$site/_megatron_r3_host_torch.pth"
   echo "reusing the host's CUDA torch from $host_torch_site"
-  if "$VPY" tools/bytecode_cache.py needed torch; then
-    # Else every process compiles torch's modules again (PYTHONDONTWRITEBYTECODE, or read-only).
-    "$VPY" tools/bytecode_cache.py enable "$site" "$PWD/$VENV/pycache"
-  fi
 fi
 
 step "torch"
@@ -144,10 +140,5 @@ import megatron_r3
 print("megatron-core", m.version("megatron-core"), "| megatron_r3", megatron_r3.__version__,
       "| kernels:", megatron_r3.kernel_info())
 EOF
-if [ -f "$site/_megatron_r3_bytecode.pth" ]; then
-  step "bytecode cache ($VENV/pycache): the launcher's and the tests' imports, and a 2-iteration run"
-  "$VPY" -W ignore tools/bytecode_cache.py fill \
-    || echo "install: warning: the bytecode cache holds the imports only (see above)" >&2
-fi
 echo
 echo "make install: done. Run 'make test'."

@@ -4,17 +4,17 @@
 state dict and sharded state dict (checkpoints move between the two), whose forward runs
 every local expert's first linear layer as one grouped GEMM over the tokens sorted by
 expert, the activation once, and every second linear layer as one more: 4 to 6 operators
-per MoE layer instead of 4 or 5 per expert. The group offsets are a device tensor, so the
-forward and backward read nothing back to the host: the grouped GEMM is ``torch._grouped_mm``,
-except in fp32 on CUDA, where torch's reads the offsets back and
-:func:`~megatron_r3.layers.grouped_linear.grouped_linear` runs instead. A small model's pass
+per MoE layer instead of 4 or 5 per expert. The grouped GEMM is torch's
+(``torch.nn.functional.grouped_mm``), with the group offsets as a tensor on the experts'
+device, so the forward and backward read nothing back to the host. A small model's pass
 costs the host's time to issue its operators (docs/benchmarks.md), which is what this saves.
 
 The grouped path takes what ``MLP.forward`` computes without fusions: the activation (or
 the gated one), the router's probability per token, the second linear layer. Anything
 else (biases, expert tensor parallelism, fp8, ``moe_apply_probs_on_input``, selective
-recompute of the activation, delayed weight gradients, a device or dtype where neither
-grouped GEMM runs forward and backward) runs ``SequentialMLP.forward``.
+recompute of the activation, delayed weight gradients, a device or dtype where torch's
+grouped GEMM does not run forward and backward, or reads its offsets back to the host: on
+CUDA anything but bf16) runs ``SequentialMLP.forward``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
-
-from megatron_r3.layers.grouped_linear import grouped_linear, grouped_linear_runs
 
 
 @lru_cache(maxsize=None)
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs, forward and backward, on this device type and dtype."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether torch's grouped GEMM runs, forward and backward, on this device type and dtype."""
+    if not hasattr(F, "grouped_mm"):  # public from torch 2.10; older ones run SequentialMLP.forward
         return False
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
     try:
@@ -38,7 +37,7 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
             x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
             offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-            out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+            out = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
             out.backward(torch.ones_like(out))
             return bool(torch.all(out == 16)) and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
@@ -48,13 +47,9 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``x[rows of g] @ weight[g].T`` for each group ``g`` of ``x``'s rows (sorted by group).
 
-    ``weight`` is ``[groups, out, in]``, ``ends`` the int32 group ends on ``x``'s device. fp32 on
-    CUDA runs :func:`~megatron_r3.layers.grouped_linear.grouped_linear`, anything else
-    ``torch._grouped_mm``.
+    ``weight`` is ``[groups, out, in]``, ``ends`` the int32 group ends on ``x``'s device.
     """
-    if grouped_linear_runs(x):
-        return grouped_linear(x, weight, ends)
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
 class GroupedGemmExperts(SequentialMLP):
@@ -81,13 +76,21 @@ class GroupedGemmExperts(SequentialMLP):
             and not config.gradient_accumulation_fusion
             and not config.delay_wgrad_compute
             and config.recompute_granularity != "selective"
+            and self._offsets_stay_on_device()
         )
+
+    def _offsets_stay_on_device(self) -> bool:
+        """Whether torch's grouped GEMM reads its group offsets where they are: on the CPU, or
+        on CUDA in bf16 (its grouped kernels). In other dtypes on CUDA it copies them to the
+        host and loops over the groups, a sync per GEMM that ``SequentialMLP`` with host
+        counts does not make."""
+        weight = self.local_experts[0].linear_fc1.weight
+        return weight.device.type != "cuda" or weight.dtype == torch.bfloat16
 
     def _runs_grouped(self, hidden: torch.Tensor) -> bool:
         if not self.takes_device_tokens_per_expert or hidden.shape[0] == 0:
             return False
-        return grouped_linear_runs(hidden) or (self._aligned(hidden) and grouped_mm_runs(hidden.device.type,
-                                                                                         hidden.dtype))
+        return self._aligned(hidden) and grouped_mm_runs(hidden.device.type, hidden.dtype)
 
     def _aligned(self, hidden: torch.Tensor) -> bool:
         """torch's grouped GEMM kernels on CUDA take rows of whole 16-byte multiples."""

@@ -54,7 +54,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     grouped = model.add_mutually_exclusive_group()
     grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
                          help="the trainer's experts run as two grouped GEMMs per MoE layer (no TransformerEngine; "
-                              "with no host sync on one expert rank, fp32 included) instead of two GEMMs per "
+                              "with no host sync on one expert rank; on CUDA in bf16 only) instead of two GEMMs per "
                               "expert; the same parameters and checkpoints. The default here (Megatron-LM's is "
                               "off); the rollout engine always runs them so")
     grouped.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
@@ -112,9 +112,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parallel.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     parallel.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     parallel.add_argument("--recompute-num-layers", type=int, default=1)
-    parallel.add_argument("--distributed-backend", choices=("nccl", "gloo", "single_rank"), default=None,
-                          help="the process groups' backend (default: single_rank in a world of one rank, where "
-                               "every collective is a local copy; else nccl on GPUs, gloo on CPUs)")
+    parallel.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                          help="the process groups' backend (default: nccl on GPUs, gloo on CPUs)")
 
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,

@@ -13,8 +13,8 @@ A capture holds only while the forward reads nothing back to the host and takes 
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs (patch 0036, ``GroupedGemmExperts``, whose fp32
-  GEMMs on CUDA read the group ends on the device: ``megatron_r3.layers.grouped_linear``);
+  expert and the experts are grouped GEMMs that read them there (patch 0036,
+  ``GroupedGemmExperts`` in bf16);
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
   does RoPE's token gather (patches 0024 and 0033);
@@ -25,8 +25,8 @@ value from its inputs. On one GPU per model replica it does:
 
 Pipeline, tensor, context or expert parallelism, a CPU, a pass that replays routes or
 builds an autograd graph, experts that need host token counts (``SequentialMLP``,
-TransformerEngine's ``TEGroupedMLP``, whose GEMMs take host split sizes): those run the
-chunk eagerly.
+TransformerEngine's ``TEGroupedMLP``, whose GEMMs take host split sizes; grouped experts in
+fp32, which run ``SequentialMLP``'s forward on CUDA): those run the chunk eagerly.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_r3.rl import single_rank_group
 from megatron_r3.rl.arguments import virtual_pipeline_stages
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
@@ -43,21 +42,9 @@ def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups:
 _agent_store: Optional[dist.Store] = None
 
 
-def process_group_backend(requested: Optional[str], device: torch.device, world_size: int) -> str:
-    """``--distributed-backend``, or by default ``single_rank`` in a world of one rank (its collectives are
-    local copies: no communicator to create or destroy), NCCL on GPUs, gloo on CPUs."""
-    if requested == single_rank_group.BACKEND and world_size != 1:
-        raise RunCheckError(f"--distributed-backend {requested} runs a world of one rank, not {world_size}")
-    if requested is not None:
-        return requested
-    if world_size == 1:
-        return single_rank_group.BACKEND
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_process_group(device: torch.device, backend: Optional[str] = None) -> None:
-    """The default process group from torchrun's environment (``env://``), on
-    :func:`process_group_backend`'s choice.
+    """The default process group from torchrun's environment (``env://``): ``backend``
+    (``--distributed-backend``), else NCCL on GPUs and gloo on CPUs, as in Megatron-LM.
 
     Its store keys are scoped to this attempt of the worker group: after a torchrun restart
     (``--max-restarts``) the agent's store still holds the addresses the dead workers
@@ -72,9 +59,7 @@ def init_process_group(device: torch.device, backend: Optional[str] = None) -> N
     store, rank, world_size = next(dist.rendezvous("env://"))
     _agent_store = store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    backend = process_group_backend(backend, device, world_size)
-    if backend == single_rank_group.BACKEND:
-        single_rank_group.register()
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=dist.PrefixStore(f"/worker_group_attempt_{attempt}", store),
                             rank=rank, world_size=world_size)
 
@@ -82,7 +67,7 @@ def init_process_group(device: torch.device, backend: Optional[str] = None) -> N
 def initialize(args: argparse.Namespace) -> torch.device:
     """Process group (from torchrun's environment unless one exists), parallel state and RNG.
 
-    CUDA where it is available, else the CPU; the backend is :func:`process_group_backend`'s.
+    CUDA where it is available, else the CPU; the backend is :func:`init_process_group`'s.
     The flags' arithmetic with the world size is checked before the parallel state is built.
     """
     if torch.cuda.is_available():

@@ -16,9 +16,8 @@ A capture holds while:
 * nothing is read back to the host: the routes replay on the device and the dispatcher keeps
   its token counts there (host split sizes would be constants of the graph, so the capture
   does not take them), and the loss's outputs stay on the device until the replay is done;
-* collectives are within one rank: the ``single_rank`` backend's local copies, or NCCL
-  communicators of one rank that exist before the capture (it runs the pass once eagerly
-  first, as torch asks);
+* collectives are within one rank: NCCL communicators of one rank that exist before the
+  capture (it runs the pass once eagerly first, as torch asks);
 * the backward accumulates each gradient on the stream DDP was built on (where its
   ``AccumulateGrad`` node was made), so every update pass, eager or captured, runs on that
   stream (:func:`~megatron_r3.rl.training_stack.on_training_stream`).

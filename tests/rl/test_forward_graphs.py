@@ -3,9 +3,10 @@
 A replay must give the eager forward's logits (and, recording, the routes taken) bit for
 bit, for every batch of the captured shape (other sample lengths, so other ``cu_seqlens``,
 attention masks and RoPE angles), with the weights as they are at the replay, for the
-engine's bf16 model and the trainer's fp32 one; the launcher must sample the same tokens
-and train the same with and without graphs. Where graphs do not apply (a CPU, a layout of
-several ranks per replica, experts that need host token counts) the forward runs eagerly.
+engine's bf16 model and a bf16 trainer's; the launcher must sample the same tokens and
+train the same with and without graphs. Where graphs do not apply (a CPU, a layout of
+several ranks per replica, experts that need host token counts, fp32 experts on a GPU) the
+forward runs eagerly.
 """
 
 import dataclasses
@@ -28,7 +29,8 @@ from tests.test_launch import EMBEDDED_FLAGS, train_worker
 
 MODEL = TinyMoE(hidden_size=32, moe_ffn_hidden_size=32, num_experts=4, max_sequence_length=128)
 ENGINE_FLAGS = ["--bf16", "--moe-grouped-gemm", "--moe-enable-routing-replay"]  # the engine's kind of model
-TRAINER_FLAGS = ["--moe-enable-routing-replay"]  # the trainer's: fp32, grouped experts by default
+TRAINER_FLAGS = ["--moe-enable-routing-replay"]  # the trainer's: fp32 with the local layers, grouped experts
+BF16_TRAINER_FLAGS = TRAINER_FLAGS + ["--bf16"]
 ROW = 128
 
 
@@ -110,24 +112,27 @@ def _recording_worker(flags):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [ENGINE_FLAGS, TRAINER_FLAGS], ids=["engine-bf16", "trainer-fp32"])
+@pytest.mark.parametrize("flags", [ENGINE_FLAGS, BF16_TRAINER_FLAGS], ids=["engine-bf16", "trainer-bf16"])
 def test_recording_replays_give_the_eager_logits_and_routes_bit_for_bit(flags):
     (result,) = run_workers(_recording_worker, 1, flags, backend="nccl")
     assert result == {"enabled": True, "graphs": 1, "equal": [(True, True, True)] * 5, "kept": [True] * 5}
 
 
-def _sequential_worker():
+def _enabled_worker(flags):
     device = init_parallel(Layout())
     try:
-        _, chunks = build_gpt(Layout(), MODEL, seed=2, device=device, flags=TRAINER_FLAGS + ["--no-moe-grouped-gemm"])
+        _, chunks = build_gpt(Layout(), MODEL, seed=2, device=device, flags=flags)
         return ForwardGraphs(chunks).enabled
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.gpu
-def test_experts_that_need_host_counts_run_eagerly():
-    assert run_workers(_sequential_worker, 1, backend="nccl") == [False]
+@pytest.mark.parametrize("flags", [BF16_TRAINER_FLAGS + ["--no-moe-grouped-gemm"], TRAINER_FLAGS],
+                         ids=["sequential-experts", "fp32-grouped-experts"])
+def test_experts_that_need_host_counts_run_eagerly(flags):
+    """SequentialMLP, and grouped experts in fp32 (SequentialMLP's forward on CUDA)."""
+    assert run_workers(_enabled_worker, 1, flags, backend="nccl") == [False]
 
 
 def _cpu_worker(layout):
@@ -214,7 +219,8 @@ def _counting_train_worker(argv):
 def test_the_launcher_trains_the_same_with_and_without_graphs(mode):
     """The engine's passes, the trainer's live forward-only passes (R3's comparison, R2's old log-probs) and
     its update passes: the same metrics (losses, gradient norms, mismatch) with graphs and without."""
-    argv = EMBEDDED_FLAGS + ["--train-iters", "2", "--micro-batch-size", "4", *mode]  # one microbatch a pass
+    # One microbatch a pass; a bf16 trainer, whose grouped experts take device counts on a GPU.
+    argv = EMBEDDED_FLAGS + ["--train-iters", "2", "--micro-batch-size", "4", "--bf16", *mode]
     ((with_graphs, replays),) = run_workers(_counting_train_worker, 1, argv, backend="nccl")
     ((eager, no_replays),) = run_workers(_counting_train_worker, 1,
                                          argv + ["--no-rollout-cuda-graphs", "--no-trainer-cuda-graphs"], backend="nccl")

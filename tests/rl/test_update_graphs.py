@@ -3,8 +3,8 @@
 A replay must give the eager pass's loss, metrics and every gradient in DDP's buffers bit
 for bit, for new batches of the captured shape (other samples, routes and advantages) and
 with the weights as they are at the replay, with no device sync; R3 with filler routes, R2
-with its old log-probs, and live routing. Where graphs do not apply (a CPU, several
-microbatches) the pass runs eagerly.
+with its old log-probs, and live routing, for a bf16 trainer. Where graphs do not apply (a
+CPU, several microbatches, experts that need host token counts) the pass runs eagerly.
 """
 
 import numpy as np
@@ -78,7 +78,7 @@ def _update_worker(argv, mode):
 def test_update_replays_give_the_eager_pass_bit_for_bit(mode):
     flags = {"r3": ["--moe-enable-routing-replay"], "r2": ["--moe-enable-routing-replay", "--routing-replay-mode", "r2"],
              "live": []}[mode]
-    (result,) = run_workers(_update_worker, 1, ONE_MICROBATCH + flags, mode, backend="nccl")
+    (result,) = run_workers(_update_worker, 1, ONE_MICROBATCH + ["--bf16"] + flags, mode, backend="nccl")
     assert result == {"enabled": True, "graphs": 1, "checks": [(True, True, True)] * 3}
 
 
@@ -102,8 +102,8 @@ def test_on_a_cpu_the_update_pass_runs_eagerly():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [["--no-trainer-cuda-graphs"], ["--no-moe-grouped-gemm"]],
-                         ids=["no-trainer-cuda-graphs", "sequential-experts"])
+@pytest.mark.parametrize("flags", [["--bf16", "--no-trainer-cuda-graphs"], ["--bf16", "--no-moe-grouped-gemm"], []],
+                         ids=["no-trainer-cuda-graphs", "sequential-experts", "fp32-grouped-experts"])
 def test_without_graphs_or_with_sequential_experts_the_update_pass_runs_eagerly(flags):
     argv = ONE_MICROBATCH + ["--moe-enable-routing-replay", *flags]
     assert run_workers(_disabled_worker, 1, argv, backend="nccl") == [False]
