@@ -62,10 +62,11 @@ from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl import arguments, model_factory
-from megatron_r3.rl.host_syncs import counted_host_syncs
-from megatron_r3.rl.model_pass import run_pass
-from megatron_r3.rl.policy_trainer import PolicyUpdateSettings, PolicyLoss
+from megatron_r3.rl import arguments
+from megatron_r3.rl.model import factory as model_factory
+from megatron_r3.rl.model.passes import run_pass
+from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
+from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
 from megatron_r3.routing_replay import chunk_moe_layers
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")

@@ -207,7 +207,7 @@ def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
     ``MoERouting`` exactly when ``--moe-enable-routing-replay`` is given.
 
     (The launcher gives them one in more passes: it decides ``moe_enable_routing_replay`` in
-    :func:`megatron_r3.rl.model_factory.routers_take_moe_routing` and takes the checks from
+    :func:`megatron_r3.rl.model.factory.routers_take_moe_routing` and takes the checks from
     :func:`routing_replay_check_kwargs`.)
     """
     return {"moe_enable_routing_replay": args.moe_enable_routing_replay, **routing_replay_check_kwargs(args)}

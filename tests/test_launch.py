@@ -16,7 +16,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.rl.train_metrics import metric_keys
+from megatron_r3.rl.trainer.metrics import metric_keys
 from tests.support.launcher import WorkerError, run_workers
 from tools.synthetic_rollout_dump import write_synthetic_dump
 
@@ -96,7 +96,8 @@ def capture_passes():
     Returns the list the passes land in: per pass its owner, kind, and per microbatch and chunk
     the routes given (None: live) and taken.
     """
-    from megatron_r3.rl import policy_trainer, rollout_engine, update_graphs
+    from megatron_r3.rl.rollout import engine as rollout_engine
+    from megatron_r3.rl.trainer import policy_trainer, update_graphs
 
     passes = []
 

@@ -29,7 +29,7 @@ def _model_worker(argv):
     """The launcher's policy config on this GPU: which layers, which dtype."""
     from megatron_r3.rl.arguments import parse_args
     from megatron_r3.rl.initialize import initialize
-    from megatron_r3.rl.model_factory import transformer_config
+    from megatron_r3.rl.model.factory import transformer_config
 
     args = parse_args(argv)
     config = transformer_config(args, initialize(args))

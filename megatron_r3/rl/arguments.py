@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
-from megatron_r3.rl.policy_trainer import REPLAY_MODES
-from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
+from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
+from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
-from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
-from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
+from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
+from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
 from megatron_r3.routing_replay import add_routing_replay_args
 
 DESCRIPTION = "RL training of a Megatron GPT MoE with rollout routing replay (R3)."

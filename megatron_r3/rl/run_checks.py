@@ -211,7 +211,7 @@ def _raise_first(problems: Sequence[Optional[str]]) -> None:
 
 def metrics_file_mode(exists: bool, resumed: bool, append: bool, overwrite: bool,
                       written_by_this_run: bool) -> tuple[str, Optional[str]]:
-    """How a run writes its ``--metrics-file``: a :class:`~megatron_r3.rl.train_metrics.MetricsFile` mode, or a problem.
+    """How a run writes its ``--metrics-file``: a :class:`~megatron_r3.rl.trainer.metrics.MetricsFile` mode, or a problem.
 
     Args:
         exists: The file exists.

@@ -14,7 +14,6 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_r3.dataplane.expert_counts import ExpertCountExchange
-from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.filler_routes import (
     fill_dead_positions,
     filler_expert_ids,
@@ -25,8 +24,9 @@ from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.microbatches import RowLayout
 from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl.model_pass import run_pass, token_logprobs
+from megatron_r3.rl.model.passes import run_pass, token_logprobs
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt

@@ -1,6 +1,6 @@
-"""megatron_r3.rl.checkpointing: resume, checkpoints across parallel layouts, interrupted saves, errors.
+"""megatron_r3.rl.checkpoint.checkpointing: resume, checkpoints across parallel layouts, interrupted saves, errors.
 
-Workers train the tiny MoE GPT through the launcher's stack (``megatron_r3.rl.training_stack``:
+Workers train the tiny MoE GPT through the launcher's stack (``megatron_r3.rl.trainer.training_stack``:
 Megatron's DDP and schedule, ``finalize_model_grads`` dividing by the batch's token count,
 Megatron's Adam with the distributed optimizer unless a test says otherwise, the LR
 schedule). They run on gloo here, where training is deterministic and a resumed run must be
@@ -17,10 +17,10 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from megatron_r3.rl.checkpoint_dirs import TRACKER_FILENAME, iteration_dir, latest_iteration
-from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
-from megatron_r3.rl.checkpointing import load_checkpoint, save_checkpoint
-from megatron_r3.rl.training_stack import add_training_stack_args, build_training_stack
+from megatron_r3.rl.checkpoint.checkpointing import load_checkpoint, save_checkpoint
+from megatron_r3.rl.checkpoint.dirs import TRACKER_FILENAME, iteration_dir, latest_iteration
+from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.trainer.training_stack import add_training_stack_args, build_training_stack
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.harness import full_token_losses
 from tests.support.launcher import default_backend, run_workers

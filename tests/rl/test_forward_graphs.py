@@ -1,4 +1,4 @@
-"""megatron_r3.rl.forward_graphs: forward-only passes that route live as CUDA graph replays.
+"""megatron_r3.rl.model.forward_graphs: forward-only passes that route live as CUDA graph replays.
 
 A replay must give the eager forward's logits (and, recording, the routes taken) bit for
 bit, for every batch of the captured shape (other sample lengths, so other ``cu_seqlens``,
@@ -18,8 +18,9 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl import forward_graphs, update_graphs
-from megatron_r3.rl.forward_graphs import ForwardGraphs, forward_model, rope_table_length
+from megatron_r3.rl.model import forward_graphs
+from megatron_r3.rl.model.forward_graphs import ForwardGraphs, forward_model, rope_table_length
+from megatron_r3.rl.trainer import update_graphs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel

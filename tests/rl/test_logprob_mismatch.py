@@ -1,10 +1,10 @@
-"""megatron_r3.rl.logprob_mismatch: the train/rollout mismatch sums and metrics."""
+"""megatron_r3.rl.trainer.logprob_mismatch: the train/rollout mismatch sums and metrics."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_r3.rl.logprob_mismatch import logprob_mismatch_metrics, logprob_mismatch_sums
+from megatron_r3.rl.trainer.logprob_mismatch import logprob_mismatch_metrics, logprob_mismatch_sums
 
 
 def test_mismatch_sums_follow_their_definitions():

@@ -1,4 +1,4 @@
-"""megatron_r3.rl.model_factory: the flags reach the TransformerConfig, and the routers take a MoERouting
+"""megatron_r3.rl.model.factory: the flags reach the TransformerConfig, and the routers take a MoERouting
 exactly when a pass gives them one."""
 
 import pytest
@@ -7,8 +7,8 @@ from megatron.core import parallel_state
 
 from megatron_r3.rl.arguments import parse_args
 from megatron_r3.rl.initialize import init_model_parallel
-from megatron_r3.rl.model_factory import build_model, routers_take_moe_routing, transformer_config
-from megatron_r3.rl.policy_trainer import PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.model.factory import build_model, routers_take_moe_routing, transformer_config
+from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer, PolicyUpdateSettings
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
 

@@ -1,4 +1,4 @@
-"""megatron_r3.rl.policy_loss: GRPO group advantages and the clipped policy-gradient loss, against direct computations."""
+"""megatron_r3.rl.trainer.policy_loss: GRPO group advantages and the clipped policy-gradient loss, against direct computations."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.rl.policy_loss import clipped_policy_loss_sums, group_advantages
+from megatron_r3.rl.trainer.policy_loss import clipped_policy_loss_sums, group_advantages
 
 
 def test_group_advantages_normalise_within_each_group():

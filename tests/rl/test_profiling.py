@@ -1,4 +1,4 @@
-"""megatron_r3.rl.profiling: Megatron-LM's --profile flags on the launcher's loop."""
+"""megatron_r3.rl.profiling.profiler: Megatron-LM's --profile flags on the launcher's loop."""
 
 import json
 

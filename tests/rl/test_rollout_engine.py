@@ -10,11 +10,11 @@ from megatron_r3.dataplane.microbatches import RowLayout
 from megatron_r3.dataplane.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample, RoutingSpec
 from megatron_r3.layers.context_parallel import zigzag_placement
-from megatron_r3.rl.generation_rows import local_positions
-from megatron_r3.rl.model_pass import no_loss, run_pass
-from megatron_r3.rl.replica_comm import broadcast_from_last_stage, gather_vocab_parallel, sum_over_context_parallel
-from megatron_r3.rl.rollout_engine import RolloutEngine, SamplingParams
-from megatron_r3.rl.token_sampling import sample_tokens, sampling_uniforms
+from megatron_r3.rl.model.passes import no_loss, run_pass
+from megatron_r3.rl.model.replica_comm import broadcast_from_last_stage, gather_vocab_parallel, sum_over_context_parallel
+from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
+from megatron_r3.rl.rollout.generation_rows import local_positions
+from megatron_r3.rl.rollout.token_sampling import sample_tokens, sampling_uniforms
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt
@@ -135,7 +135,7 @@ STOP_AT = 2
 
 
 def _early_stop_worker(stop_everywhere):
-    from megatron_r3.rl import rollout_engine
+    from megatron_r3.rl.rollout import engine as rollout_engine
 
     device = init_parallel(Layout())
     try:

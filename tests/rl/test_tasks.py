@@ -1,9 +1,9 @@
-"""megatron_r3.rl.tasks: seeded prompts, correct answers and partial-credit rewards."""
+"""megatron_r3.rl.rollout.tasks: seeded prompts, correct answers and partial-credit rewards."""
 
 import numpy as np
 import pytest
 
-from megatron_r3.rl.tasks import BOS, EOS, FIRST_SYMBOL, SEP, SymbolTask
+from megatron_r3.rl.rollout.tasks import BOS, EOS, FIRST_SYMBOL, SEP, SymbolTask
 
 
 def test_prompts_depend_on_seed_iteration_and_index_only():

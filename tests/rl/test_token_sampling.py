@@ -1,10 +1,10 @@
-"""megatron_r3.rl.token_sampling: the engine's inverse-CDF draws from uniforms drawn once per rollout."""
+"""megatron_r3.rl.rollout.token_sampling: the engine's inverse-CDF draws from uniforms drawn once per rollout."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_r3.rl.token_sampling import sample_tokens, sampling_uniforms
+from megatron_r3.rl.rollout.token_sampling import sample_tokens, sampling_uniforms
 
 
 def test_draws_follow_the_tempered_softmax():

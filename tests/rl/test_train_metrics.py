@@ -1,4 +1,4 @@
-"""megatron_r3.rl.train_metrics and routing_agreement: sums to metrics, exact keys, progress line, JSONL."""
+"""megatron_r3.rl.trainer.metrics and routing_agreement: sums to metrics, exact keys, progress line, JSONL."""
 
 import json
 import math
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.rl.phase_timer import PhaseTimer
-from megatron_r3.rl.routing_agreement import routing_agreement_counts
 from megatron_r3.rl.metrics_file import MetricsFile
-from megatron_r3.rl.train_metrics import iteration_metrics, metric_keys, progress_line, zero_sums
+from megatron_r3.rl.profiling.phase_timer import PhaseTimer
+from megatron_r3.rl.trainer.metrics import iteration_metrics, metric_keys, progress_line, zero_sums
+from megatron_r3.rl.trainer.routing_agreement import routing_agreement_counts
 
 LAYERS = (2, 4)
 

@@ -1,4 +1,4 @@
-"""megatron_r3.rl.update_graphs: the trainer's update pass as a CUDA graph replay.
+"""megatron_r3.rl.trainer.update_graphs: the trainer's update pass as a CUDA graph replay.
 
 A replay must give the eager pass's loss, metrics and every gradient in DDP's buffers bit
 for bit, for new batches of the captured shape (other samples, routes and advantages) and
@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.rl.update_graphs import UpdatePassGraphs
+from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
 from tests.support.launcher import run_workers
 from tests.test_launch import EMBEDDED_FLAGS
 
@@ -27,8 +27,8 @@ def _update_worker(argv, mode):
     """Per batch: did the graph pass equal the eager one (outputs, gradients), and did it replay."""
     from megatron_r3.rl.arguments import parse_args
     from megatron_r3.rl.initialize import initialize
-    from megatron_r3.rl.policy_trainer import PolicyLoss
     from megatron_r3.rl.run import setup
+    from megatron_r3.rl.trainer.policy_trainer import PolicyLoss
 
     args = parse_args(argv)
     device = initialize(args)
@@ -111,7 +111,7 @@ def test_without_graphs_or_with_sequential_experts_the_update_pass_runs_eagerly(
 
 def _enabled_where_graphs_apply_worker(argv):
     """Whether the trainer would capture its update pass, were its chunks on one GPU each."""
-    from megatron_r3.rl import update_graphs
+    from megatron_r3.rl.trainer import update_graphs
 
     update_graphs.graphs_apply = lambda chunks: True  # what a GPU replica of one rank would answer
     return _disabled_worker(argv)

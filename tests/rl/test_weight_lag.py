@@ -1,9 +1,9 @@
-"""megatron_r3.rl.weight_lag: the follower trails the policy by exactly `staleness` updates, in its own dtype."""
+"""megatron_r3.rl.rollout.weight_lag: the follower trails the policy by exactly `staleness` updates, in its own dtype."""
 
 import pytest
 import torch
 
-from megatron_r3.rl.weight_lag import LaggedWeights
+from megatron_r3.rl.rollout.weight_lag import LaggedWeights
 
 
 def model(dtype=torch.float32):

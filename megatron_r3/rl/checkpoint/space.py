@@ -29,7 +29,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-from megatron_r3.rl.checkpointing import models_sharded_state_dict
+from megatron_r3.rl.checkpoint.checkpointing import models_sharded_state_dict
 
 BYTES_PER_TENSOR = 4096
 """Bytes a ``torch_dist`` checkpoint spends per tensor beyond its data (an upper bound)."""

@@ -20,9 +20,9 @@ from megatron_r3.dataplane.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers
 from megatron_r3.rl.arguments import layer_freq, task_of
-from megatron_r3.rl.policy_loss import group_advantages
-from megatron_r3.rl.rollout_engine import RolloutEngine
+from megatron_r3.rl.rollout.engine import RolloutEngine
 from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microbatch_problem
+from megatron_r3.rl.trainer.policy_loss import group_advantages
 
 
 def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:

@@ -3,7 +3,7 @@
 :class:`PhaseTimer` times named phases of an iteration in wall time, waiting for the
 device at each phase's end so that a phase is charged with its own kernels (a few
 syncs per iteration, none inside a pass). With ``count_host_syncs`` it also counts
-the host syncs inside each phase (:mod:`megatron_r3.rl.host_syncs`), for diagnosis.
+the host syncs inside each phase (:mod:`megatron_r3.rl.profiling.host_syncs`), for diagnosis.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from megatron_r3.rl.host_syncs import counted_host_syncs
+from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 
 
 class PhaseTimer:

@@ -3,25 +3,25 @@
 The engine is a second set of model chunks in the trainer's parallel layout,
 built with a bf16 config, grouped-GEMM experts and ``moe_enable_routing_replay``
 (so its routers can record), whose weights trail the policy's by ``staleness``
-optimizer steps (:class:`~megatron_r3.rl.weight_lag.LaggedWeights`). It stands in for vLLM or
+optimizer steps (:class:`~megatron_r3.rl.rollout.weight_lag.LaggedWeights`). It stands in for vLLM or
 SGLang: inference precision, possibly stale weights, and the routes it took.
 
 Generation is a loop of forward-only passes through Megatron's schedule over THD
 rows of the fixed ``seq_length`` (no KV cache: pipeline stages exchange activations of
 one shape), packed once per rollout with a slot of fixed length per sample
-(:class:`~megatron_r3.rl.generation_rows.GenerationRows`): each pass writes the tokens
+(:class:`~megatron_r3.rl.rollout.generation_rows.GenerationRows`): each pass writes the tokens
 drawn by the one before into the rows on the device. After each pass the last pipeline
 stage takes every sample's logits at its last position (gathered over the
 tensor-parallel vocabulary shards; under context parallelism the rank that holds the
 position contributes it) and draws the next token from ``softmax(logits / temperature)``
 on the device, by inverse CDF from a uniform drawn once per rollout from ``(seed,
-iteration, data-parallel rank)`` (:mod:`megatron_r3.rl.token_sampling`), so every rank of a
+iteration, data-parallel rank)`` (:mod:`megatron_r3.rl.rollout.token_sampling`), so every rank of a
 replica and every layout draw the same tokens; the other stages get them by broadcast. A
 sample stops at the stop token or after ``max_new_tokens``; all data-parallel replicas run
 the same number of passes (expert parallelism spans them), and asking whether any sample
 is still active is a step's one wait for the device. Where a replica is one GPU, the
 generation passes replay a CUDA graph captured on the first one
-(:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`; ``--no-rollout-cuda-graphs``
+(:class:`~megatron_r3.rl.model.forward_graphs.ForwardGraphs`; ``--no-rollout-cuda-graphs``
 runs them eagerly).
 
 One last forward-only pass over the finished samples records, per token, the
@@ -52,22 +52,22 @@ from megatron.core import parallel_state
 
 from megatron_r3.dataplane.adapters import from_megatron_recorded
 from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.routes import RolloutRoutes
+from megatron_r3.dataplane.sample_checks import check_logprobs
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.forward_graphs import ForwardGraphs
-from megatron_r3.rl.generation_rows import GenerationRows
-from megatron_r3.rl.model_pass import no_loss, run_pass, token_logprobs
-from megatron_r3.rl.replica_comm import (
+from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.rl.model.forward_graphs import ForwardGraphs
+from megatron_r3.rl.model.passes import no_loss, run_pass, token_logprobs
+from megatron_r3.rl.model.replica_comm import (
     broadcast_from_last_stage,
     gather_objects_in_replica,
     gather_vocab_parallel,
     sum_over_context_parallel,
 )
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.routes import RolloutRoutes
-from megatron_r3.dataplane.sample_checks import check_logprobs
-from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl.token_sampling import sample_tokens, sampling_uniforms
-from megatron_r3.rl.weight_lag import LaggedWeights
+from megatron_r3.rl.rollout.generation_rows import GenerationRows
+from megatron_r3.rl.rollout.token_sampling import sample_tokens, sampling_uniforms
+from megatron_r3.rl.rollout.weight_lag import LaggedWeights
 
 
 class RolloutEngineError(RuntimeError):

@@ -38,17 +38,17 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_r3.rl.logprob_mismatch import MISMATCH_METRICS
+from megatron_r3.rl.trainer.logprob_mismatch import MISMATCH_METRICS
 
 MODES = ("replay", "live")
 PHASES = ("rollout", "pass/old_logprob", "pass/compare", "pass/update", "optimizer")
-"""The timed phases of an iteration (:class:`~megatron_r3.rl.phase_timer.PhaseTimer`), in order."""
+"""The timed phases of an iteration (:class:`~megatron_r3.rl.profiling.phase_timer.PhaseTimer`), in order."""
 
 
 def zero_sums(num_moe_layers: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One rank's empty float64 sums of an iteration.
 
-    ``mismatch/<mode>``: :func:`~megatron_r3.rl.logprob_mismatch.logprob_mismatch_sums`;
+    ``mismatch/<mode>``: :func:`~megatron_r3.rl.trainer.logprob_mismatch.logprob_mismatch_sums`;
     ``loss``: the loss sum and the completion tokens it covers; ``agreement``:
     ``[2, num_moe_layers]``, agreeing and replayed (token, layer) pairs; ``reward``: sum
     and count; ``routing/host_split_microbatches``: update-pass microbatches on the sync-free

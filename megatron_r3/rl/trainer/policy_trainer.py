@@ -1,7 +1,7 @@
 """One policy-gradient iteration on rollout samples, with routing replay (R3 or R2) or live routing.
 
 Per iteration the trainer packs this data-parallel rank's samples into
-microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.rl.model_pass`):
+microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.rl.model.passes`):
 
 1. R2 only: an old-log-prob pass (forward only) that records the routes its
    routers take; the update pass replays exactly those (``recorded_expert_ids()``,
@@ -11,11 +11,11 @@ microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.rl.model_p
    mismatch metrics, and routing agreement with the engine's routes where they
    exist. It runs on the same weights as the update pass.
 3. The update pass (forward and backward) on the clipped policy-gradient loss
-   (:mod:`megatron_r3.rl.policy_loss`), with the rollout engine's routes (R3), the
+   (:mod:`megatron_r3.rl.trainer.policy_loss`), with the rollout engine's routes (R3), the
    recorded ones (R2) or live routing. ``logp_old`` is the rollout engine's
    log-prob under R3 and live routing.
 
-The model chunks train through Megatron's stack (:mod:`megatron_r3.rl.training_stack`):
+The model chunks train through Megatron's stack (:mod:`megatron_r3.rl.trainer.training_stack`):
 the schedule ends the update pass with ``finalize_model_grads``, which reduces the
 gradients over the ranks and divides them by the iteration's completion tokens;
 then Megatron's optimizer steps and the learning-rate schedule advances, unless the
@@ -25,7 +25,7 @@ before the step (the optimizer skips an update whose gradient norm is not finite
 Samples are checked where they enter :meth:`PolicyTrainer.step` (log-probs finite
 and ``<= 0``, advantages finite). Every metric leaves as a sum (reduced across all ranks in
 one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
-:mod:`megatron_r3.rl.train_metrics`.
+:mod:`megatron_r3.rl.trainer.metrics`.
 """
 
 from __future__ import annotations
@@ -49,16 +49,16 @@ from megatron_r3.dataplane.sample_checks import SampleValueError, check_sample_v
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.dataplane.transport import PackedRoutes
-from megatron_r3.rl.forward_graphs import ForwardGraphs
-from megatron_r3.rl.logprob_mismatch import logprob_mismatch_sums
-from megatron_r3.rl.model_pass import PassResult, no_loss, run_pass, token_logprobs
-from megatron_r3.rl.phase_timer import PhaseTimer
-from megatron_r3.rl.policy_loss import clipped_policy_loss_sums
-from megatron_r3.rl.replica_comm import is_replica_lead
-from megatron_r3.rl.routing_agreement import routing_agreement_counts
-from megatron_r3.rl.train_metrics import zero_sums
-from megatron_r3.rl.update_graphs import UpdatePassGraphs
-from megatron_r3.rl.training_stack import TrainingStack
+from megatron_r3.rl.model.forward_graphs import ForwardGraphs
+from megatron_r3.rl.model.passes import PassResult, no_loss, run_pass, token_logprobs
+from megatron_r3.rl.model.replica_comm import is_replica_lead
+from megatron_r3.rl.profiling.phase_timer import PhaseTimer
+from megatron_r3.rl.trainer.logprob_mismatch import logprob_mismatch_sums
+from megatron_r3.rl.trainer.metrics import zero_sums
+from megatron_r3.rl.trainer.policy_loss import clipped_policy_loss_sums
+from megatron_r3.rl.trainer.routing_agreement import routing_agreement_counts
+from megatron_r3.rl.trainer.training_stack import TrainingStack
+from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
 
 REPLAY_MODES = ("r3", "r2")
 
@@ -81,7 +81,7 @@ class PolicyUpdateSettings:
             routes (the sync-free path); False routes them live.
         cuda_graphs: Run the update pass and the forward-only passes that route live (the
             comparison pass when training replays, R2's old-log-prob pass) as CUDA graph replays
-            where they apply (:mod:`megatron_r3.rl.update_graphs`, :mod:`megatron_r3.rl.forward_graphs`).
+            where they apply (:mod:`megatron_r3.rl.trainer.update_graphs`, :mod:`megatron_r3.rl.model.forward_graphs`).
     """
 
     replay_mode: Optional[str]
@@ -112,7 +112,7 @@ class PolicyUpdateSettings:
     def routers_take_moe_routing(self) -> bool:
         """Some pass gives the routers a ``MoERouting``: the update pass replays, or the comparison
         pass replays (training live) or records (training with replay). The model must be built
-        for it (:func:`megatron_r3.rl.model_factory.routers_take_moe_routing`)."""
+        for it (:func:`megatron_r3.rl.model.factory.routers_take_moe_routing`)."""
         return self.trains_with_replay or self.compare
 
 
@@ -161,7 +161,7 @@ class PolicyTrainer:
             rewards: One per sample, for the reward metric (None: not known).
 
         Returns:
-            The iteration's sums over all ranks (:func:`megatron_r3.rl.train_metrics.zero_sums`), and the
+            The iteration's sums over all ranks (:func:`megatron_r3.rl.trainer.metrics.zero_sums`), and the
             step's ``lr`` and ``grad_norm``.
 
         Raises:

@@ -1,18 +1,18 @@
 """Checkpoints of model chunks, their optimizer, its LR schedule and the run's state, through dist_checkpointing.
 
 A checkpoint lies on disk as in Megatron-LM and is published atomically
-(:mod:`megatron_r3.rl.checkpoint_dirs`). Weights are saved through each chunk's
+(:mod:`megatron_r3.rl.checkpoint.dirs`). Weights are saved through each chunk's
 ``sharded_state_dict()``: tensors are keyed by their global name (layer and expert
 numbers global, TP/EP slices as offsets into the full tensor), so a checkpoint saved
 under one parallel layout (TP, SP, PP, VP, CP, EP, DP) loads under any other. The
-optimizer (Megatron's, :mod:`megatron_r3.rl.training_stack`) saves itself through its own
+optimizer (Megatron's, :mod:`megatron_r3.rl.trainer.training_stack`) saves itself through its own
 ``sharded_state_dict()``: Adam's moments (and the distributed optimizer's fp32 main
 weights) keyed like the parameter they belong to
 (``optimizer.state.exp_avg.<parameter key>``), the distributed optimizer's shards
 gathered into that form (Megatron-LM's ``fully_reshardable`` format), so they follow
-a layout change too (:mod:`megatron_r3.rl.checkpoint_optimizer`). Each rank's RNG states
+a layout change too (:mod:`megatron_r3.rl.checkpoint.optimizer`). Each rank's RNG states
 are saved beside them and restored under the same layout only
-(:mod:`megatron_r3.rl.checkpoint_rng`).
+(:mod:`megatron_r3.rl.checkpoint.rng`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_or_no
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_r3.rl.checkpoint_dirs import (
+from megatron_r3.rl.checkpoint.dirs import (
     TRACKER_FILENAME,
     complete_iterations,
     is_complete,
@@ -43,9 +43,9 @@ from megatron_r3.rl.checkpoint_dirs import (
     staging_dir,
     start_staging,
 )
-from megatron_r3.rl.checkpoint_finite import describe, loaded_tensors, non_finite_tensors, sharded_tensors
-from megatron_r3.rl.checkpoint_optimizer import OPTIMIZER_METADATA, adam_step, prepare_for_load
-from megatron_r3.rl.checkpoint_rng import (
+from megatron_r3.rl.checkpoint.finite import describe, loaded_tensors, non_finite_tensors, sharded_tensors
+from megatron_r3.rl.checkpoint.optimizer import OPTIMIZER_METADATA, adam_step, prepare_for_load
+from megatron_r3.rl.checkpoint.rng import (
     RNGStateNotRestoredWarning,
     parallel_layout,
     rng_device,
@@ -53,7 +53,7 @@ from megatron_r3.rl.checkpoint_rng import (
     rng_states,
     set_rng_states,
 )
-from megatron_r3.rl.training_stack import load_scheduler_state, scheduler_mismatch
+from megatron_r3.rl.trainer.training_stack import load_scheduler_state, scheduler_mismatch
 
 FORMAT_VERSION = 2
 _FORMAT_KEY = "megatron_r3_checkpoint_format"

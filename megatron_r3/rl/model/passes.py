@@ -32,7 +32,7 @@ from megatron.core.utils import get_model_config
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.microbatches import RolloutMicrobatch
 from megatron_r3.dataplane.prefetch import PreparedMicrobatches
-from megatron_r3.rl.forward_graphs import ForwardGraphs, RecordedRoutes, forward_model
+from megatron_r3.rl.model.forward_graphs import ForwardGraphs, RecordedRoutes, forward_model
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 LossFn = Callable[[int, RolloutMicrobatch, torch.Tensor], tuple]
@@ -47,12 +47,12 @@ class PassResult:
         outputs: The dicts ``loss_fn`` returned, in microbatch order (last pipeline stage
             only; empty elsewhere).
         routings: Per microbatch and chunk, the ``MoERouting`` the forward used, or the routes a
-            graph replay recorded (:class:`~megatron_r3.rl.forward_graphs.RecordedRoutes`); None
+            graph replay recorded (:class:`~megatron_r3.rl.model.forward_graphs.RecordedRoutes`); None
             where it routed live without recording.
         items: Per microbatch and chunk, what the forward step was given.
         host_split_microbatches: Microbatches on the sync-free path: whose routes carried host
             token counts (the dispatcher's split sizes) on every chunk, or that replayed a captured
-            pass (:mod:`megatron_r3.rl.update_graphs`).
+            pass (:mod:`megatron_r3.rl.trainer.update_graphs`).
     """
 
     outputs: list[dict]
@@ -98,7 +98,7 @@ def run_pass(
             (``live_expert_ids()``, for agreement metrics).
         forward_only: No backward pass (and no autograd graph).
         graphs: Run the microbatches that replay no routes through these CUDA graphs
-            (:class:`~megatron_r3.rl.forward_graphs.ForwardGraphs`), where they apply.
+            (:class:`~megatron_r3.rl.model.forward_graphs.ForwardGraphs`), where they apply.
     """
     count = microbatches.num_microbatches
     if count == 0:

@@ -1,10 +1,10 @@
 """The trainer's update pass, forward and backward through Megatron's schedule, as a CUDA graph replay.
 
 On a small model the update pass costs the host's time to issue its kernels, forward and
-backward (docs/benchmarks.md). Where :func:`~megatron_r3.rl.forward_graphs.graphs_apply`
+backward (docs/benchmarks.md). Where :func:`~megatron_r3.rl.model.forward_graphs.graphs_apply`
 (one chunk on a GPU, one rank per model replica, experts that take their token counts on
 the device), a pass of one microbatch is captured once per shape: the whole of
-:func:`~megatron_r3.rl.model_pass.run_pass` (Megatron's schedule, the forward with its
+:func:`~megatron_r3.rl.model.passes.run_pass` (Megatron's schedule, the forward with its
 routes, the loss, the backward into DDP's gradient buffers and ``finalize_model_grads``).
 A later pass copies its microbatch (tokens, masks, log-probs, advantages, routes, R2's old
 log-probs) into the captured inputs and replays.
@@ -21,7 +21,7 @@ A capture holds while:
   first, as torch asks);
 * the backward accumulates each gradient on the stream DDP was built on (where its
   ``AccumulateGrad`` node was made), so every update pass, eager or captured, runs on that
-  stream (:func:`~megatron_r3.rl.training_stack.on_training_stream`).
+  stream (:func:`~megatron_r3.rl.trainer.training_stack.on_training_stream`).
 
 Several microbatches or chunks, several data-parallel ranks, or a row that is not THD run
 eagerly.
@@ -39,9 +39,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_r3.dataplane.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.transport import PackedRoutes
-from megatron_r3.rl.forward_graphs import graphs_apply, rope_table_length, static_padded
-from megatron_r3.rl.model_pass import LossFn, PassResult, run_pass
-from megatron_r3.rl.training_stack import on_training_stream
+from megatron_r3.rl.model.forward_graphs import graphs_apply, rope_table_length, static_padded
+from megatron_r3.rl.model.passes import LossFn, PassResult, run_pass
+from megatron_r3.rl.trainer.training_stack import on_training_stream
 
 # The microbatch's device tensors a pass reads (RolloutMicrobatch fields).
 _BATCH_TENSORS = ("tokens", "labels", "loss_mask", "rollout_logprobs", "advantages", "dead_mask", "position_ids")
