@@ -15,7 +15,7 @@ policy-gradient loss with group-normalised advantages (GRPO). ``--r3-compare``
 logged iteration shows the train/rollout mismatch with and without R3.
 
 With ``--rollout-dump`` the samples come from a rollout dump instead
-(``megatron_r3.dataplane.rollout_dump``, read again from the start when it runs out; each
+(``megatron_r3.dataplane.formats.rollout_dump``, read again from the start when it runs out; each
 sample's metadata holds its ``reward`` or ``advantage``), trained with the same
 loss and metrics. The policy trains through Megatron's stack
 (``megatron_r3.rl.trainer.training_stack``: DDP, ``finalize_model_grads``, Megatron's Adam, the

@@ -319,8 +319,8 @@ def test_the_size_of_a_checkpoint_is_known_before_it_is_written(tmp_path, ranks,
 # The same sample twice, and groups of one sample: warned of, and trained.
 
 def test_repeated_samples_and_groups_of_one_are_warned_of(tmp_path):
-    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+    from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
     from tests.test_launch import EXPERTS, TOPK
 
     work = tmp_path / "work"

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from tests.support.launcher import run_workers
 from tests.support.planted import snapshot, unchecked_writer
 from tests.test_launch import DUMP_FLAGS, EMBEDDED_FLAGS, EXPERTS, REPO, TOPK, write_dump

@@ -299,8 +299,8 @@ def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
 def test_dump_without_rewards_is_refused(tmp_path):
     path = write_synthetic_dump(str(tmp_path / "bare.r3dump"), num_samples=2, num_layers=4,
                                 moe_layer_freq=[0, 1, 0, 1], num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB)
-    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+    from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 
     bare = str(tmp_path / "no-reward.r3dump")
     with RolloutDumpReader(path) as reader, RolloutDumpWriter(

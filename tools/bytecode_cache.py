@@ -58,7 +58,7 @@ def enable(site: str, cache: str) -> Path:
 
     Written under a temporary name and renamed: every interpreter of the venv runs the
     file at start, so none may see half of it. (This script runs before megatron_r3 is
-    installed, so it cannot use ``megatron_r3.dataplane.output_files``.)
+    installed, so it cannot use ``megatron_r3.dataplane.formats.output_files``.)
     """
     Path(cache).mkdir(parents=True, exist_ok=True)
     pth = Path(site) / PTH_NAME

@@ -107,7 +107,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,
-                          help="train on this rollout dump (megatron_r3.dataplane.rollout_dump) instead of the "
+                          help="train on this rollout dump (megatron_r3.dataplane.formats.rollout_dump) instead of the "
                                "built-in engine")
     training.add_argument("--allow-truncated-rollout-dump", action="store_true",
                           help="train on a --rollout-dump without its footer (its writer did not finish, or the file "

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.output_files import OutputFileError, check_output
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout
+from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import complete_args
 from megatron_r3.rl.checkpoint.checkpointing import (

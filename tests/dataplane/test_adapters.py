@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.dataplane.adapters import from_array, from_megatron_recorded, from_sglang, from_vllm
-from megatron_r3.dataplane.packing import gather_routes
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.packing import gather_routes
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.engines.adapters import from_array, from_megatron_recorded, from_sglang, from_vllm
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.routes import RolloutRoutes, concat_routes
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.validation import RoutingValidationError
 
 # A dense-first model: 6 decoder layers, layer 1 dense, MoE layers 2..6 except 4.
 SPEC = RoutingSpec(num_layers=6, model_moe_layers=(2, 3, 5, 6), num_experts=64, topk=4)

@@ -32,12 +32,17 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_sglang_openai, from_vllm_split
-from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_sample, vllm_samples
-from megatron_r3.dataplane.packing import gather_routes
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.packing import gather_routes
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.engines.adapters import (
+    from_megatron_inference,
+    from_sglang,
+    from_sglang_openai,
+    from_vllm_split,
+)
+from megatron_r3.dataplane.engines.engine_samples import megatron_sample, sglang_sample, vllm_samples
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.routes import concat_routes
-from megatron_r3.dataplane.validation import RoutingValidationError
 from tests.dataplane.test_dump_rollouts import (
     MODEL_FLAGS, SPEC, RequestOutput, make_truth, round_trip, sglang_response, vllm_request,
 )
@@ -322,7 +327,7 @@ def test_dump_tool_takes_every_engine(tmp_path):
         source.write_text("".join(json.dumps(r) + "\n" for r in records))
         assert main(["--engine", engine, "--input", str(source), "--out", str(out), *MODEL_FLAGS,
                      "--log-interval", "0"]) == 0
-        from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+        from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
         with RolloutDumpReader(out) as reader:
             samples = list(reader)
         assert len(samples) == 2

@@ -13,16 +13,16 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange
-from megatron_r3.dataplane.filler_routes import (
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
+from megatron_r3.dataplane.device.filler_routes import (
     fill_dead_positions,
     filler_expert_ids,
     first_dead_position,
     with_fillers,
 )
-from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange, local_expert_counts
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange, local_expert_counts
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes, concat_routes
 from tests.support.batches import make_sequences
 from tests.support.harness import Step, full_grads, full_token_losses

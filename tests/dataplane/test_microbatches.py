@@ -1,11 +1,11 @@
-"""megatron_r3.dataplane.microbatches: packed microbatches from rollout samples."""
+"""megatron_r3.dataplane.device.microbatches: packed microbatches from rollout samples."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.microbatches import pack_rollout_microbatch
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.context_parallel import zigzag_placement
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import megatron_r3
-from megatron_r3.dataplane.packing import (
+from megatron_r3.dataplane.device.packing import (
     gather_routes,
     gather_routes_reference,
     scatter_routes,
     scatter_routes_reference,
 )
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
 from megatron_r3.dataplane.routes import id_dtype
 from tests.support.pipeline import pipeline_config
 

@@ -13,7 +13,7 @@ import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.tensor_parallel.mappings import _split_along_first_dim
 
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, bshd_token_index, padded_lengths, thd_token_index
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan, bshd_token_index, padded_lengths, thd_token_index
 from tests.support.fake_group import FakeGroup
 from tests.support.pipeline import pipeline_config
 
@@ -132,7 +132,7 @@ def test_bad_layouts_are_errors():
 
 
 def test_chunk_plans_cover_every_moe_layer_once():
-    from megatron_r3.dataplane.plan import chunk_plans
+    from megatron_r3.dataplane.device.plan import chunk_plans
 
     config = pipeline_config(12, pp=3, vp=2)
     moe = (2, 3, 5, 6, 7, 9, 10, 12)

@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import RerunDataIterator
 
-from megatron_r3.dataplane.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel

@@ -6,15 +6,15 @@ import io
 import numpy as np
 import pytest
 
-from megatron_r3.dataplane.adapters import from_array
-from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.dump_checks import check_dump_fits
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError, RolloutDumpStats
+from megatron_r3.dataplane.engines.adapters import from_array
+from megatron_r3.dataplane.formats.dump_checks import check_dump_fits
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError, RolloutDumpStats
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.sample_checks import SampleValueError
+from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.validation import RoutingValidationError
 from tests.support.counting_file import CountingFile
 from tests.support.planted import unchecked_writer
 

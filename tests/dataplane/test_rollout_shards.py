@@ -6,10 +6,10 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError
-from megatron_r3.dataplane.rollout_shards import DataParallelDumpShard
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError
+from megatron_r3.dataplane.formats.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
 from tests.support.counting_file import CountingFile
 

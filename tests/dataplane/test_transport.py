@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import megatron_r3
-from megatron_r3.dataplane.adapters import from_array
-from megatron_r3.dataplane.packing import gather_routes_reference
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.packing import gather_routes_reference
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.transport import RouteUploader
+from megatron_r3.dataplane.engines.adapters import from_array
 from megatron_r3.dataplane.routes import concat_routes
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.transport import RouteUploader
 from tests.support.pipeline import pipeline_config
 
 SPEC = RoutingSpec(num_layers=8, model_moe_layers=(2, 3, 4, 6, 7, 8), num_experts=128, topk=8)

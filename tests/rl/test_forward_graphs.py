@@ -15,8 +15,8 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.microbatches import pack_rollout_microbatch
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.microbatches import pack_rollout_microbatch
+from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl.model import forward_graphs
 from megatron_r3.rl.model.forward_graphs import ForwardGraphs, forward_model, rope_table_length

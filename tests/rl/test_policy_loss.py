@@ -1,4 +1,5 @@
-"""megatron_r3.rl.trainer.policy_loss: GRPO group advantages and the clipped policy-gradient loss, against direct computations."""
+"""megatron_r3.rl.trainer.policy_loss: GRPO group advantages and the clipped policy-gradient loss, against direct
+computations."""
 
 import math
 

@@ -6,12 +6,16 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RolloutSample, RoutingSpec
 from megatron_r3.layers.context_parallel import zigzag_placement
 from megatron_r3.rl.model.passes import no_loss, run_pass
-from megatron_r3.rl.model.replica_comm import broadcast_from_last_stage, gather_vocab_parallel, sum_over_context_parallel
+from megatron_r3.rl.model.replica_comm import (
+    broadcast_from_last_stage,
+    gather_vocab_parallel,
+    sum_over_context_parallel,
+)
 from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout.generation_rows import local_positions
 from megatron_r3.rl.rollout.token_sampling import sample_tokens, sampling_uniforms

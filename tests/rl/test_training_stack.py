@@ -1,4 +1,5 @@
-"""megatron_r3.rl.trainer.training_stack: the RL loop on Megatron's DDP, optimizer, finalize_model_grads and LR schedule.
+"""megatron_r3.rl.trainer.training_stack: the RL loop on Megatron's DDP, optimizer, finalize_model_grads and LR
+schedule.
 
 The embedded default run (the launcher with no flags but replay), 10 iterations under DP2 and
 EP2, on Megatron's stack (plain, and with the distributed optimizer and overlapped, bucketed

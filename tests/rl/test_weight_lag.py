@@ -1,4 +1,5 @@
-"""megatron_r3.rl.rollout.weight_lag: the follower trails the policy by exactly `staleness` updates, in its own dtype."""
+"""megatron_r3.rl.rollout.weight_lag: the follower trails the policy by exactly `staleness` updates, in its own
+dtype."""
 
 import pytest
 import torch

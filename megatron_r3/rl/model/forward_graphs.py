@@ -39,7 +39,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_r3.dataplane.microbatches import RolloutMicrobatch
+from megatron_r3.dataplane.device.microbatches import RolloutMicrobatch
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
 

@@ -2,7 +2,7 @@
 
 The rollout engine, the trainer and the benchmarks run their model chunks the same
 way: the microbatches of a pass come from a
-:class:`~megatron_r3.dataplane.microbatch_pipeline.MicrobatchPipeline` (one ``seq_length`` THD
+:class:`~megatron_r3.dataplane.device.microbatch_pipeline.MicrobatchPipeline` (one ``seq_length`` THD
 row each, and each chunk's routes to replay, prepared one microbatch ahead through
 the schedules' prefetch hook) and go through ``get_forward_backward_func()`` (no
 pipelining, 1F1B or interleaved 1F1B), forward only or forward and backward, with
@@ -29,9 +29,9 @@ from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_r3.dataplane.microbatch_pipeline import PassItem
-from megatron_r3.dataplane.microbatches import RolloutMicrobatch
-from megatron_r3.dataplane.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.microbatch_pipeline import PassItem
+from megatron_r3.dataplane.device.microbatches import RolloutMicrobatch
+from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
 from megatron_r3.rl.model.forward_graphs import ForwardGraphs, RecordedRoutes, forward_model
 from megatron_r3.routing_replay import MoERouting, moe_routing_for_chunk
 
@@ -88,7 +88,7 @@ def run_pass(
     Args:
         chunks: This rank's model chunks (possibly wrapped), in virtual-stage order.
         microbatches: The pass's prepared microbatches
-            (:meth:`~megatron_r3.dataplane.microbatch_pipeline.MicrobatchPipeline.prepare`).
+            (:meth:`~megatron_r3.dataplane.device.microbatch_pipeline.MicrobatchPipeline.prepare`).
         loss_fn: Called on the last pipeline stage for each microbatch.
         replay: Replay the routes the microbatches carry; False routes live and keeps them
             only for the caller (e.g. to compare them with the routes taken).

@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.adapters import from_megatron_recorded
-from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
-from megatron_r3.dataplane.microbatches import RowLayout
+from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.engines.adapters import from_megatron_recorded
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.sample_checks import check_logprobs
 from megatron_r3.dataplane.samples import RoutingSpec

@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline, PassItem
-from megatron_r3.dataplane.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline, PassItem
+from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.samples import RolloutSample
 
 SLOT_FILLER = 0

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import numpy as np
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.dump_checks import check_dump_fits
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.rollout_shards import DataParallelDumpShard
+from megatron_r3.dataplane.formats.dump_checks import check_dump_fits
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers
 from megatron_r3.rl.arguments import layer_freq, task_of

@@ -24,7 +24,7 @@ keys (``None`` where the iteration did not measure a value):
   ``routing/agreement/layer_<n>`` the same per MoE layer number ``n``;
 * ``routing/replayed_tokens``, ``routing/filler_tokens``, ``routing/live_tokens``: tokens
   the training pass routed by replay of a recorded route, by a filler route (positions no
-  loss can see, :mod:`megatron_r3.dataplane.filler_routes`) and by the live router (padding not
+  loss can see, :mod:`megatron_r3.dataplane.device.filler_routes`) and by the live router (padding not
   counted);
 * ``routing/host_split_microbatches``: the fraction of the update pass's microbatches whose
   MoE layers took their split sizes from the host (no device sync).

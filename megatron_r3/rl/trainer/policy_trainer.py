@@ -41,14 +41,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange
-from megatron_r3.dataplane.filler_routes import first_dead_position
-from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
-from megatron_r3.dataplane.microbatches import RolloutMicrobatch, RowLayout
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
+from megatron_r3.dataplane.device.filler_routes import first_dead_position
+from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.device.microbatches import RolloutMicrobatch, RowLayout
+from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.dataplane.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.transport import PackedRoutes
 from megatron_r3.rl.model.forward_graphs import ForwardGraphs
 from megatron_r3.rl.model.passes import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.rl.model.replica_comm import is_replica_lead

@@ -36,9 +36,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_r3.dataplane.microbatch_pipeline import PassItem
-from megatron_r3.dataplane.prefetch import PreparedMicrobatches
-from megatron_r3.dataplane.transport import PackedRoutes
+from megatron_r3.dataplane.device.microbatch_pipeline import PassItem
+from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.rl.model.forward_graphs import graphs_apply, rope_table_length, static_padded
 from megatron_r3.rl.model.passes import LossFn, PassResult, run_pass
 from megatron_r3.rl.trainer.training_stack import on_training_stream

@@ -2,7 +2,7 @@
 
 An RL loop that runs the rollout engine in-process hands the engine's own
 objects to these functions and writes the result with
-:class:`~megatron_r3.dataplane.dump_writer.RolloutDumpWriter` (or feeds it to the
+:class:`~megatron_r3.dataplane.formats.dump_writer.RolloutDumpWriter` (or feeds it to the
 trainer directly). They read the engines' documented fields only (duck-typed),
 so real vLLM objects, SGLang response dicts and look-alikes all work:
 
@@ -35,7 +35,7 @@ One sample per completion (vLLM ``n > 1``: ``n`` samples): ``token_ids`` =
 prompt + completion, ``loss_mask`` 1 on the completion, ``logprobs[t]`` the
 engine's log-prob of token t (0 where the engine gave none: the first prompt
 token, prompt tokens without prompt log-probs), routes from
-:mod:`megatron_r3.dataplane.adapters` (validated: the final sampled token and capture gaps
+:mod:`megatron_r3.dataplane.engines.adapters` (validated: the final sampled token and capture gaps
 have no route, dense-layer rows are dropped), ``meta`` = ``{"engine",
 "request_id", "completion_index", "finish_reason", "reward"}`` (reward only when
 given). A completion without log-probs is refused: the trainer's importance
@@ -58,11 +58,11 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_r3.dataplane.adapters import from_megatron_inference, from_sglang, from_vllm, from_vllm_split
+from megatron_r3.dataplane.engines.adapters import from_megatron_inference, from_sglang, from_vllm, from_vllm_split
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.sample_checks import check_logprobs, logprob_value, loss_number, token_id_array
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.validation import RoutingValidationError
 
 
 def vllm_samples(
@@ -72,8 +72,8 @@ def vllm_samples(
     """One sample per completion of a vLLM ``RequestOutput``.
 
     A request with a ``prompt_routed_experts`` attribute (vLLM's split layout, None or
-    not) is read with :func:`~megatron_r3.dataplane.adapters.from_vllm_split`; one
-    without it with :func:`~megatron_r3.dataplane.adapters.from_vllm` (the original
+    not) is read with :func:`~megatron_r3.dataplane.engines.adapters.from_vllm_split`; one
+    without it with :func:`~megatron_r3.dataplane.engines.adapters.from_vllm` (the original
     layout).
 
     Args:

@@ -1,6 +1,6 @@
 """Packing routes between the global per-sample layout and a rank's router layout.
 
-Two directions, one pass each, driven by a :class:`~megatron_r3.dataplane.plan.RoutingPlan`:
+Two directions, one pass each, driven by a :class:`~megatron_r3.dataplane.device.plan.RoutingPlan`:
 
 * :func:`gather_routes` (replay): compact source ``ids [N, L, K]`` (uint8/int16)
   and the per-token ``valid [N]`` -> this rank's ``expert_ids [L_local, n_local, K]``
@@ -37,7 +37,7 @@ def check_packing_args(
     (gather's per-token ``valid``, scatter's per-row ``recorded``).
 
     Bounds are checked for host plans only: reading a device plan would sync with
-    the device, and device plans come from :class:`~megatron_r3.dataplane.plan.RoutingPlan`.
+    the device, and device plans come from :class:`~megatron_r3.dataplane.device.plan.RoutingPlan`.
     """
     if compact_ids.dtype not in (torch.uint8, torch.int16):
         raise ValueError(f"compact ids must be uint8 or int16, got {compact_ids.dtype}")

@@ -1,4 +1,4 @@
-"""Writing a rollout dump (:mod:`megatron_r3.dataplane.rollout_dump`): one record per sample, then the footer."""
+"""Writing a rollout dump (:mod:`megatron_r3.dataplane.formats.rollout_dump`): a record per sample, then the footer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import BinaryIO, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron_r3.dataplane.rollout_dump import (
+from megatron_r3.dataplane.formats.rollout_dump import (
     BODY_HEAD,
     FOOTER_MAGIC,
     HAS_LOGPROBS,

@@ -1,4 +1,4 @@
-"""Reading a rollout dump (:mod:`megatron_r3.dataplane.rollout_dump`): streamed, or one record by its index.
+"""Reading a rollout dump (:mod:`megatron_r3.dataplane.formats.rollout_dump`): streamed, or one record by its index.
 
 Records are checked against their CRC whenever they are read, and routes and
 values are validated again (a dump may come from elsewhere): rollout log-probs
@@ -31,7 +31,7 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 import numpy as np
 
-from megatron_r3.dataplane.rollout_dump import (
+from megatron_r3.dataplane.formats.rollout_dump import (
     BODY_HEAD,
     FOOTER_MAGIC,
     HAS_LOGPROBS,
@@ -46,10 +46,10 @@ from megatron_r3.dataplane.rollout_dump import (
     RolloutDumpIndex,
     RolloutDumpStats,
 )
+from megatron_r3.dataplane.route_checks import validate_routes
 from megatron_r3.dataplane.routes import RolloutRoutes, id_dtype
 from megatron_r3.dataplane.sample_checks import check_sample_values
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.validation import validate_routes
 
 
 class RolloutDumpReader:

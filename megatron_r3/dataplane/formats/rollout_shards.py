@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Union
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError
 from megatron_r3.dataplane.samples import RolloutSample
 
 

@@ -5,7 +5,7 @@ padded to Megatron's alignment (``2*cp``, times ``tp`` under sequence parallelis
 and the last one further, so that the row is exactly ``seq_length`` long: pipeline
 stages exchange activations of a fixed shape. This context-parallel rank keeps
 chunks ``r`` and ``2*cp-1-r`` of every sample (Megatron's zigzag), the order in
-which :class:`~megatron_r3.dataplane.plan.RoutingPlan` (built with the same ``padded_lens``)
+which :class:`~megatron_r3.dataplane.device.plan.RoutingPlan` (built with the same ``padded_lens``)
 lays out the routes.
 
 :class:`RowLayout` packs a rank's samples ``micro_batch_size`` at a time and
@@ -27,8 +27,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.dataplane.filler_routes import first_dead_position
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
+from megatron_r3.dataplane.device.filler_routes import first_dead_position
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.context_parallel import zigzag_placement
 from megatron_r3.layers.moe_layers import chunk_vp_stages
@@ -46,7 +46,7 @@ class RolloutMicrobatch:
         advantages: float32 advantage of the next token's sample (0 where none is given).
         dead_mask: bool, True at positions whose output no loss can see (from the last
             loss-bearing position of each sample on, and padding); Megatron's
-            ``padding_mask`` for the MoE layers (:mod:`megatron_r3.dataplane.filler_routes`).
+            ``padding_mask`` for the MoE layers (:mod:`megatron_r3.dataplane.device.filler_routes`).
         position_ids: int64 position of each token within its sample.
         row_index: int64 ``[s_local]`` on the host: where each local token sits in the full row.
         packed_seq_params: THD parameters of the full (not CP-split) row.

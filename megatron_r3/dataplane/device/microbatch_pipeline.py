@@ -4,19 +4,20 @@ Every pass of the loop (the rollout engine's generation and recording passes, th
 trainer's R2 old-log-prob, comparison and update passes, the step and loop
 benchmarks) takes its microbatches from here. For microbatch ``i`` it
 
-1. packs the samples into this rank's THD row (:func:`~megatron_r3.dataplane.microbatches.pack_rollout_microbatch`),
-   with the mask of the positions no loss can see;
+1. packs the samples into this rank's THD row
+   (:func:`~megatron_r3.dataplane.device.microbatches.pack_rollout_microbatch`), with the mask of
+   the positions no loss can see;
 2. builds the routing plan of each of the rank's model chunks;
 3. for a pass that replays the rollout's routes: gives every dead route-less position,
-   and the row's padding, a filler route (:mod:`megatron_r3.dataplane.filler_routes`), uploads the
-   routes of all chunks at once (:class:`~megatron_r3.dataplane.transport.RouteUploader`) and, when
+   and the row's padding, a filler route (:mod:`megatron_r3.dataplane.device.filler_routes`), uploads the
+   routes of all chunks at once (:class:`~megatron_r3.dataplane.device.transport.RouteUploader`) and, when
    every token of every rank of the expert tensor-and-model-parallel group then has a
-   route, exchanges the host token counts (:mod:`megatron_r3.dataplane.expert_counts`): the
+   route, exchanges the host token counts (:mod:`megatron_r3.dataplane.device.expert_counts`): the
    alltoall dispatcher takes its split sizes from them, with no device sync;
 4. for a pass that replays recorded routes (R2), hands them out per chunk.
 
 Microbatch ``i + 1`` is prepared while the device runs microbatch ``i``: the schedules
-call the prefetch hook once a forward is issued (:mod:`megatron_r3.dataplane.prefetch`).
+call the prefetch hook once a forward is issued (:mod:`megatron_r3.dataplane.device.prefetch`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange, local_expert_counts
-from megatron_r3.dataplane.filler_routes import filler_expert_ids, with_fillers
-from megatron_r3.dataplane.microbatches import RolloutMicrobatch, RowLayout, pack_rollout_microbatch
-from megatron_r3.dataplane.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange, local_expert_counts
+from megatron_r3.dataplane.device.filler_routes import filler_expert_ids, with_fillers
+from megatron_r3.dataplane.device.microbatches import RolloutMicrobatch, RowLayout, pack_rollout_microbatch
+from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
+from megatron_r3.dataplane.device.transport import PackedRoutes, RouteUploader
 from megatron_r3.dataplane.routes import RolloutRoutes, concat_routes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.transport import PackedRoutes, RouteUploader
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_r3.dataplane.packing import gather_routes
-from megatron_r3.dataplane.plan import RoutingPlan
+from megatron_r3.dataplane.device.packing import gather_routes
+from megatron_r3.dataplane.device.plan import RoutingPlan
 from megatron_r3.dataplane.routes import RolloutRoutes
 
 _ALIGN = 256  # byte alignment of each array inside a staging buffer (vector loads need >= 16)

@@ -1,12 +1,12 @@
 """The rollout dump: an append-only, streamable file of rollout samples with their routes.
 
 A launcher writes what the rollout engine produced (tokens, loss mask, rollout
-log-probs, routes) with :class:`~megatron_r3.dataplane.dump_writer.RolloutDumpWriter`
+log-probs, routes) with :class:`~megatron_r3.dataplane.formats.dump_writer.RolloutDumpWriter`
 and a trainer reads it back one sample at a time with
-:class:`~megatron_r3.dataplane.dump_reader.RolloutDumpReader`, so rollouts larger
+:class:`~megatron_r3.dataplane.formats.dump_reader.RolloutDumpReader`, so rollouts larger
 than memory can be replayed: streamed front to back, or one record at a time by
-its index (what a data-parallel rank does, see :mod:`megatron_r3.dataplane.rollout_shards`).
-:mod:`megatron_r3.dataplane.dump_checks` checks a dump before a run trains on it.
+its index (what a data-parallel rank does, see :mod:`megatron_r3.dataplane.formats.rollout_shards`).
+:mod:`megatron_r3.dataplane.formats.dump_checks` checks a dump before a run trains on it.
 This module holds the format: its layout, constants and the types reader and
 writer share. Layout (little-endian throughout):
 

@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError, RolloutDumpStats
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError, RolloutDumpStats
 from megatron_r3.dataplane.sample_checks import LOSS_FIELDS
 from megatron_r3.dataplane.samples import RolloutSample
 
@@ -95,7 +95,7 @@ def check_dump_fits(
     stats (at least one sample, token ids in ``[0, vocab_size)``, no sample longer
     than ``seq_length``). The stats come from the footer when there is one (no
     sample is read), else from a scan that reads every record's token ids (its
-    cost: :mod:`megatron_r3.dataplane.dump_reader`).
+    cost: :mod:`megatron_r3.dataplane.formats.dump_reader`).
 
     Args:
         dump: Path of the dump, or an open reader.

@@ -6,7 +6,7 @@ the host before the forward. Megatron's alltoall dispatcher needs those counts f
 every rank of its expert tensor-and-model-parallel group (``tp_ep``): its own for the
 input splits, the others' for the output splits. :func:`local_expert_counts` counts
 this rank's tokens from the compact host routes and the microbatch's
-:class:`~megatron_r3.dataplane.plan.RoutingPlan`; :class:`ExpertCountExchange` gathers every
+:class:`~megatron_r3.dataplane.device.plan.RoutingPlan`; :class:`ExpertCountExchange` gathers every
 rank's counts, for all MoE layers of all model chunks at once, with one small
 collective per microbatch on a CPU (gloo) group. The result goes to the model as
 ``MoERouting.host_tokens_per_expert`` (patch "moe: the alltoall dispatcher takes split
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_r3.dataplane.plan import RoutingPlan
+from megatron_r3.dataplane.device.plan import RoutingPlan
 
 
 def local_expert_counts(

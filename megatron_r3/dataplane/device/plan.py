@@ -209,7 +209,7 @@ class RoutingPlan:
         """The plan with its padding rows read from source rows appended after the samples.
 
         Padding row ``k`` (in router order) reads source row ``num_source_tokens + k``, so
-        filler routes for the padding (:mod:`megatron_r3.dataplane.filler_routes`) can be packed like
+        filler routes for the padding (:mod:`megatron_r3.dataplane.device.filler_routes`) can be packed like
         any sample's.
         """
         padding = self.token_index < 0

@@ -61,16 +61,16 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron_r3.dataplane.packing import scatter_routes
-from megatron_r3.dataplane.plan import RoutingPlan
-from megatron_r3.dataplane.routes import RolloutRoutes, _as_numpy, id_dtype
-from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.validation import (
+from megatron_r3.dataplane.device.packing import scatter_routes
+from megatron_r3.dataplane.device.plan import RoutingPlan
+from megatron_r3.dataplane.route_checks import (
     REPEATED_CAUSE,
     RoutingValidationError,
     check_integer_dtype,
     token_validity,
 )
+from megatron_r3.dataplane.routes import RolloutRoutes, _as_numpy, id_dtype
+from megatron_r3.dataplane.samples import RoutingSpec
 
 
 def from_array(
