@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
 from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
@@ -215,11 +214,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
-
-
-def layer_freq(args: argparse.Namespace):
-    """``--moe-layer-freq`` as Megatron's ``moe_layer_freq`` (an int or a per-layer list)."""
-    return parse_moe_layer_freq(args.moe_layer_freq)
 
 
 def task_of(args: argparse.Namespace) -> SymbolTask:

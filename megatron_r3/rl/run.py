@@ -22,7 +22,7 @@ from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args
+from megatron_r3.rl.arguments import complete_args, task_of
 from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
@@ -99,7 +99,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     engine = RolloutEngine(lambda: build_model(args, engine_config, device), chunks, spec, rows,
                            SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
                            args.rollout_staleness, cuda_graphs=args.rollout_cuda_graphs)
-    return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
+    return TrainingRun(args, trainer, EmbeddedRollouts(args, task_of(args), engine, per_rank), engine)
 
 
 def check_outputs(

@@ -16,13 +16,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import (
     TE_ONLY_FLAGS,
     decoder_block_spec,
     resolve_grouped_gemm_impl,
     resolve_transformer_impl,
 )
-from megatron_r3.rl.arguments import layer_freq
 from megatron_r3.routing_replay import routing_replay_check_kwargs
 
 
@@ -83,7 +83,7 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         num_moe_experts=args.num_experts,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
-        moe_layer_freq=layer_freq(args),
+        moe_layer_freq=parse_moe_layer_freq(args.moe_layer_freq),
         moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm or rollout_engine,

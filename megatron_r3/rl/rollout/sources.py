@@ -18,9 +18,9 @@ from megatron_r3.dataplane.formats.dump_checks import check_dump_fits
 from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.formats.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import model_moe_layers
-from megatron_r3.rl.arguments import layer_freq, task_of
+from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
 from megatron_r3.rl.rollout.engine import RolloutEngine
+from megatron_r3.rl.rollout.tasks import SymbolTask
 from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microbatch_problem
 from megatron_r3.rl.trainer.policy_loss import group_advantages
 
@@ -28,8 +28,8 @@ from megatron_r3.rl.trainer.policy_loss import group_advantages
 def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
     """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
     check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
-                    model_moe_layers=model_moe_layers(args.num_layers, layer_freq(args)), vocab_size=args.vocab_size,
-                    seq_length=args.seq_length)
+                    model_moe_layers=model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq)),
+                    vocab_size=args.vocab_size, seq_length=args.seq_length)
 
 
 @dataclass
@@ -51,8 +51,8 @@ class EmbeddedRollouts:
 
     loss_field = "reward"  # advantages are rewards normalised within each prompt's group
 
-    def __init__(self, args: argparse.Namespace, engine: RolloutEngine, per_rank: int):
-        self.task = task_of(args)
+    def __init__(self, args: argparse.Namespace, task: SymbolTask, engine: RolloutEngine, per_rank: int):
+        self.task = task
         self.engine = engine
         self.seed = args.seed
         self.group = args.rollouts_per_prompt
