@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 import megatron_r3
-from megatron_r3.dataplane.packing import gather_routes, gather_routes_reference
-from megatron_r3.dataplane.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.packing import gather_routes, gather_routes_reference
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan
+from megatron_r3.dataplane.device.transport import RouteUploader
 from megatron_r3.dataplane.routes import RolloutRoutes
-from megatron_r3.dataplane.transport import RouteUploader
 
 
 def timed(fn, device, warmup, iters, reps=20):

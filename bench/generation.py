@@ -4,7 +4,7 @@
     python -m bench.generation --small                             # a smoke check of this script (CPU too)
 
 Builds the launcher's policy and its rollout engine the way a run does
-(:func:`megatron_r3.rl.rollout_engines.build_rollout_engine`, ``--rollout-engine local`` and
+(:func:`megatron_r3.rl.rollout.engine_choice.build_rollout_engine`, ``--rollout-engine local`` and
 ``megatron``), then, per engine, times ``generate`` on one iteration's prompts of the
 built-in task (``--global-batch-size`` samples: the prompts, each ``--rollouts-per-prompt``
 times) for ``--rounds`` rounds after ``--warmup`` ones (CUDA graph captures and lazy
@@ -12,7 +12,7 @@ initialisation happen there), the engines taking turns. It reports, per engine, 
 tokens per second (completion tokens, the stop token included, over the wall time of
 ``generate``, which for both engines includes recording routes and log-probs), median and
 range over the rounds, and the ratio to the built-in engine. An engine that cannot run here
-is reported with the reason (:func:`megatron_r3.rl.megatron_rollout_engine.megatron_engine_problem`).
+is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
 Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidden-size 1024``).
 """
@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import parse_args, task_of
 from megatron_r3.rl.initialize import initialize
-from megatron_r3.rl.megatron_rollout_engine import megatron_engine_problem
-from megatron_r3.rl.model_factory import build_model, transformer_config
-from megatron_r3.rl.rollout_engines import ROLLOUT_ENGINES, build_rollout_engine
+from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
+from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.rollout.engine_choice import ROLLOUT_ENGINES, build_rollout_engine
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
          "--num-experts", "4", "--global-batch-size", "8", "--rollouts-per-prompt", "2", "--task-max-symbols", "4"]

@@ -10,7 +10,7 @@ query groups, 128 experts top-8 with SwiGLU FFNs of 768, and TransformerEngine's
 TE is installed, ``--transformer-impl``; or a HybridModel of ``--hybrid-layer-pattern``) runs the trainer's update pass (forward and backward of
 ``--microbatches`` packed THD rows through Megatron's schedule, the clipped policy-gradient
 loss) on the same samples, prepared by the loop's microbatch pipeline
-(:mod:`megatron_r3.dataplane.microbatch_pipeline`, one microbatch ahead), several ways:
+(:mod:`megatron_r3.dataplane.device.microbatch_pipeline`, one microbatch ahead), several ways:
 
 * ``live``: the router decides (no replay);
 * ``upstream``: upstream ``RouterReplay`` replays the same routes (global action and data);
@@ -55,17 +55,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange
-from megatron_r3.dataplane.microbatch_pipeline import MicrobatchPipeline
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
+from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl import arguments, model_factory
-from megatron_r3.rl.host_syncs import counted_host_syncs
-from megatron_r3.rl.model_pass import run_pass
-from megatron_r3.rl.policy_trainer import PolicyUpdateSettings, PolicyLoss
+from megatron_r3.rl import arguments
+from megatron_r3.rl.model import factory as model_factory
+from megatron_r3.rl.model.passes import run_pass
+from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
+from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
 from megatron_r3.routing_replay import chunk_moe_layers
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")

@@ -4,33 +4,33 @@
 
 With no other flag this is a complete small R3 loop, with no data and no
 download, on CPUs (gloo) or GPUs (NCCL): each iteration the built-in rollout
-engine (``megatron_r3.rl.rollout_engine``: the policy's weights in bf16, lagging
+engine (``megatron_r3.rl.rollout.engine``: the policy's weights in bf16, lagging
 ``--rollout-staleness`` optimizer steps) completes ``--global-batch-size /
---rollouts-per-prompt`` prompts of a built-in task (``megatron_r3.rl.tasks``) and
+--rollouts-per-prompt`` prompts of a built-in task (``megatron_r3.rl.rollout.tasks``) and
 records the routes it took and the log-probs of its tokens; the task scores the
-completions; the trainer (``megatron_r3.rl.policy_trainer``) replays the
+completions; the trainer (``megatron_r3.rl.trainer.policy_trainer``) replays the
 engine's routes on every MoE layer and takes a step on the clipped
 policy-gradient loss with group-normalised advantages (GRPO). ``--r3-compare``
 (on by default here) runs one more forward-only pass without replay, so every
 logged iteration shows the train/rollout mismatch with and without R3.
 
 With ``--rollout-dump`` the samples come from a rollout dump instead
-(``megatron_r3.dataplane.rollout_dump``, read again from the start when it runs out; each
+(``megatron_r3.dataplane.formats.rollout_dump``, read again from the start when it runs out; each
 sample's metadata holds its ``reward`` or ``advantage``), trained with the same
 loss and metrics. The policy trains through Megatron's stack
-(``megatron_r3.rl.training_stack``: DDP, ``finalize_model_grads``, Megatron's Adam, the
+(``megatron_r3.rl.trainer.training_stack``: DDP, ``finalize_model_grads``, Megatron's Adam, the
 learning-rate schedule), with Megatron-LM's flags for it (``--use-distributed-optimizer``,
 ``--overlap-grad-reduce``, ``--clip-grad``, ``--lr-decay-style``, ...).
 
 ``--routing-replay-mode r2`` replays the routes of the trainer's own
 old-log-prob pass instead of the engine's; without ``--moe-enable-routing-replay``
 the trainer routes live. Every ``--log-interval`` iterations the last rank
-prints a progress line and appends the metrics (``megatron_r3.rl.train_metrics``)
+prints a progress line and appends the metrics (``megatron_r3.rl.trainer.metrics``)
 to ``--metrics-file``. Flags follow Megatron's names; every model and layout
 flag has a small default (all parallel sizes 1, so ``--nproc-per-node 2`` is
 data-parallel size 2). Layers are Megatron's TransformerEngine specs on GPUs where TE is
 installed (bf16), the local ``megatron_r3.layers.specs`` elsewhere (``--transformer-impl``). ``--save``/``--save-interval`` write checkpoints
-(``megatron_r3.rl.checkpointing``: weights, optimizer, learning-rate schedule, the engine's
+(``megatron_r3.rl.checkpoint.checkpointing``: weights, optimizer, learning-rate schedule, the engine's
 lagging weights, data position, RNG) and ``--load`` resumes from the latest one, under
 any layout.
 
@@ -64,8 +64,8 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_r3.rl.arguments import parse_args  # noqa: E402
 from megatron_r3.rl.initialize import initialize  # noqa: E402
-from megatron_r3.rl.policy_trainer import NonFiniteStepError  # noqa: E402
-from megatron_r3.rl.rollout_engine import RolloutEngineError  # noqa: E402
+from megatron_r3.rl.rollout.engine import RolloutEngineError  # noqa: E402
+from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError  # noqa: E402
 from megatron_r3.rl.run import train  # noqa: E402
 
 

@@ -78,7 +78,7 @@ def moe_routing_for_chunk(
             only gather the replayed ids, no live top-k runs.
         host_tokens_per_expert: int64 CPU ``[tp_ep_size, len(layer_numbers), num_experts]``
             token counts of every rank of the expert tensor-and-model-parallel group, when
-            every token replays a route (:mod:`megatron_r3.dataplane.expert_counts`): the alltoall
+            every token replays a route (:mod:`megatron_r3.dataplane.device.expert_counts`): the alltoall
             dispatcher then takes its split sizes from the host, with no device sync.
         record: keep the routes every layer takes (``recorded_expert_ids()``).
         keep_live_routes: also keep what the routers' own top-k chose
@@ -207,7 +207,7 @@ def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
     ``MoERouting`` exactly when ``--moe-enable-routing-replay`` is given.
 
     (The launcher gives them one in more passes: it decides ``moe_enable_routing_replay`` in
-    :func:`megatron_r3.rl.model_factory.routers_take_moe_routing` and takes the checks from
+    :func:`megatron_r3.rl.model.factory.routers_take_moe_routing` and takes the checks from
     :func:`routing_replay_check_kwargs`.)
     """
     return {"moe_enable_routing_replay": args.moe_enable_routing_replay, **routing_replay_check_kwargs(args)}

@@ -35,7 +35,7 @@ class PoisonAfterStep:
 
     def __call__(self, setup, seen):
         if self.unchecked:
-            from megatron_r3.rl import checkpointing
+            from megatron_r3.rl.checkpoint import checkpointing
 
             original = checkpointing.non_finite_tensors
             checkpointing.non_finite_tensors = lambda named: []
@@ -57,7 +57,7 @@ class PoisonAfterStep:
 
 
 def _adam_moment(run):
-    from megatron_r3.rl.checkpoint_optimizer import _inner_optimizers
+    from megatron_r3.rl.checkpoint.optimizer import _inner_optimizers
 
     (inner,) = _inner_optimizers(run.trainer.stack.optimizer)
     return next(iter(inner.state.values()))["exp_avg"]
@@ -290,7 +290,7 @@ def _estimate(argv):
     from megatron.core import parallel_state
 
     from megatron_r3.rl.arguments import parse_args
-    from megatron_r3.rl.checkpoint_space import checkpoint_bytes
+    from megatron_r3.rl.checkpoint.space import checkpoint_bytes
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import checkpoint_models, setup
 
@@ -319,8 +319,8 @@ def test_the_size_of_a_checkpoint_is_known_before_it_is_written(tmp_path, ranks,
 # The same sample twice, and groups of one sample: warned of, and trained.
 
 def test_repeated_samples_and_groups_of_one_are_warned_of(tmp_path):
-    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+    from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
     from tests.test_launch import EXPERTS, TOPK
 
     work = tmp_path / "work"

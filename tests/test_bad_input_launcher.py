@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from tests.support.launcher import run_workers
 from tests.support.planted import snapshot, unchecked_writer
 from tests.test_launch import DUMP_FLAGS, EMBEDDED_FLAGS, EXPERTS, REPO, TOPK, write_dump
@@ -443,11 +443,11 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
 
 def _trainer_guards(argv):
     """PolicyTrainer.step's own checks: samples that enter it, and gradients that are not finite."""
+    from megatron_r3.dataplane.sample_checks import SampleValueError
     from megatron_r3.rl.arguments import parse_args
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import setup
-    from megatron_r3.dataplane.sample_checks import SampleValueError
-    from megatron_r3.rl.policy_trainer import NonFiniteStepError
+    from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError
 
     args = parse_args(argv)
     device = initialize(args)
@@ -502,7 +502,7 @@ def test_the_trainer_refuses_bad_samples_and_non_finite_gradients(tmp_path):
 # The checks themselves, without ranks.
 
 def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path):
-    from megatron_r3.rl.checkpoint_dirs import find_checkpoint
+    from megatron_r3.rl.checkpoint.dirs import find_checkpoint
 
     run = tmp_path / "ckpt"
     for iteration in (2, 4):
@@ -529,7 +529,7 @@ def test_find_checkpoint_takes_a_run_directory_or_one_iteration_folder(tmp_path)
 
 
 def test_save_directory_probe_leaves_nothing_behind(tmp_path):
-    from megatron_r3.rl.checkpoint_dirs import save_directory_problem
+    from megatron_r3.rl.checkpoint.dirs import save_directory_problem
 
     assert save_directory_problem(str(tmp_path / "new" / "ckpt")) is None
     assert save_directory_problem(str(tmp_path)) is None

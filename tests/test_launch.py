@@ -16,7 +16,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.rl.train_metrics import metric_keys
+from megatron_r3.rl.trainer.metrics import metric_keys
 from tests.support.launcher import WorkerError, run_workers
 from tools.synthetic_rollout_dump import write_synthetic_dump
 
@@ -97,7 +97,8 @@ def capture_passes():
     Returns the list the passes land in: per pass its owner, kind, and per microbatch and chunk
     the routes given (None: live) and taken.
     """
-    from megatron_r3.rl import policy_trainer, rollout_engine, update_graphs
+    from megatron_r3.rl.rollout import engine as rollout_engine
+    from megatron_r3.rl.trainer import policy_trainer, update_graphs
 
     passes = []
 
@@ -310,8 +311,8 @@ def test_microbatch_that_does_not_fit_the_row_is_refused(tmp_path):
 def test_dump_without_rewards_is_refused(tmp_path):
     path = write_synthetic_dump(str(tmp_path / "bare.r3dump"), num_samples=2, num_layers=4,
                                 moe_layer_freq=[0, 1, 0, 1], num_experts=EXPERTS, topk=TOPK, vocab_size=VOCAB)
-    from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-    from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+    from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+    from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 
     bare = str(tmp_path / "no-reward.r3dump")
     with RolloutDumpReader(path) as reader, RolloutDumpWriter(

@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_r3.rl.host_syncs import counted_host_syncs
+from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
@@ -100,9 +100,9 @@ def launcher_update_pass_worker(argv, fillers):
     under ``set_sync_debug_mode("error")`` with filler routes, or counted without them."""
     from megatron_r3.rl.arguments import parse_args
     from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.model.passes import run_pass
     from megatron_r3.rl.run import setup
-    from megatron_r3.rl.model_pass import run_pass
-    from megatron_r3.rl.policy_trainer import PolicyLoss
+    from megatron_r3.rl.trainer.policy_trainer import PolicyLoss
 
     args = parse_args(argv)
     device = initialize(args)

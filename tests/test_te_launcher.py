@@ -29,7 +29,7 @@ def _model_worker(argv):
     """The launcher's policy config on this GPU: which layers, which dtype."""
     from megatron_r3.rl.arguments import parse_args
     from megatron_r3.rl.initialize import initialize
-    from megatron_r3.rl.model_factory import transformer_config
+    from megatron_r3.rl.model.factory import transformer_config
 
     args = parse_args(argv)
     config = transformer_config(args, initialize(args))
@@ -71,7 +71,7 @@ def test_the_dump_mode_replays_on_te_layers(tmp_path):
 def test_te_layers_with_torchs_grouped_experts_train_the_same_with_and_without_graphs():
     """--moe-grouped-gemm-impl torch: the dispatcher keeps token counts on the device, so the engine's and
     the trainer's passes over TE's layers replay CUDA graphs, with the eager run's metrics."""
-    from tests.rl.test_forward_graphs import _counting_train_worker
+    from tests.rl.model.test_forward_graphs import _counting_train_worker
 
     argv = EMBEDDED + ["--moe-enable-routing-replay", "--moe-grouped-gemm-impl", "torch", "--train-iters", "2",
                        "--global-batch-size", "4", "--micro-batch-size", "4"]  # one microbatch a pass

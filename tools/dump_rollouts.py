@@ -9,10 +9,10 @@ flags do (``--moe-layer-freq``: an int N, or one 0/1 per layer); every route is
 checked against them. One sample per completion: the prompt and the completion's
 tokens, loss mask 1 on the completion, the engine's log-prob of every token (0
 where it gave none), the engine's routes (validated by
-:mod:`megatron_r3.dataplane.adapters`: the final sampled token and capture gaps have no
+:mod:`megatron_r3.dataplane.engines.adapters`: the final sampled token and capture gaps have no
 route, dense-layer rows are dropped) and ``meta`` ``{"engine", "request_id",
 "completion_index", "finish_reason", "reward"}``. An RL loop that runs the engine
-in-process uses :mod:`megatron_r3.dataplane.engine_samples` directly, on the engine's own
+in-process uses :mod:`megatron_r3.dataplane.engines.engine_samples` directly, on the engine's own
 objects; this tool reads the same fields from JSON.
 
 Input, one JSON object per line:
@@ -136,10 +136,10 @@ from typing import Any, Iterator, Optional, TextIO
 
 import numpy as np
 
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.engine_samples import megatron_sample, sglang_openai_sample, sglang_samples, vllm_samples
-from megatron_r3.dataplane.output_files import atomic_output
-from megatron_r3.dataplane.jsonl import json_line
+from megatron_r3.dataplane.engines.engine_samples import megatron_sample, sglang_openai_sample, sglang_samples, vllm_samples
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.jsonl import json_line
+from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
@@ -274,7 +274,7 @@ def dump_jsonl(
     """Converts a JSONL file into a rollout dump; returns counts.
 
     The dump is written under a temporary name next to ``out_path`` and renamed once
-    complete (:func:`megatron_r3.dataplane.output_files.atomic_output`), so a failed conversion
+    complete (:func:`megatron_r3.dataplane.formats.output_files.atomic_output`), so a failed conversion
     leaves no file behind and never a half-written one in place of an old one.
 
     Args:

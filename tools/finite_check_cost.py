@@ -2,7 +2,7 @@
 
     python -m tools.finite_check_cost
 
-The check (:mod:`megatron_r3.rl.checkpoint_finite`) runs over every tensor a save writes: the
+The check (:mod:`megatron_r3.rl.checkpoint.finite`) runs over every tensor a save writes: the
 default model's weights, Adam's two moments (stand-ins of their size) and the rollout engine's
 bf16 copy; then over 1 GiB of fp32 tensors. For comparison it also times a stacked
 ``isfinite().all()`` per tensor (one host read too, but a bool temporary of each tensor's size).
@@ -13,7 +13,7 @@ the stacked isfinite's time. One thread (as a launcher rank on a shared CPU runs
 import time
 
 import torch
-from megatron_r3.rl.checkpoint_finite import non_finite_tensors
+from megatron_r3.rl.checkpoint.finite import non_finite_tensors
 from tests.support.launcher import run_workers
 
 
@@ -21,8 +21,8 @@ def default_model():
     """The default launcher run's checkpoint tensors, timed in a worker (Megatron needs a process group)."""
     from megatron.core import parallel_state
     from megatron_r3.rl.arguments import parse_args
-    from megatron_r3.rl.checkpoint_finite import sharded_tensors
-    from megatron_r3.rl.checkpointing import models_sharded_state_dict
+    from megatron_r3.rl.checkpoint.checkpointing import models_sharded_state_dict
+    from megatron_r3.rl.checkpoint.finite import sharded_tensors
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import checkpoint_models, setup
     args = parse_args(["--train-iters", "1"])

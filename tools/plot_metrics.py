@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_r3.dataplane.output_files import OutputFileError, atomic_output
+from megatron_r3.dataplane.formats.output_files import OutputFileError, atomic_output
 
 MISMATCH_METRICS = (
     ("k3_kl", "k3 KL estimate"),

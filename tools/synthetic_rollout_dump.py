@@ -22,8 +22,8 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from megatron_r3.dataplane.output_files import atomic_output
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
@@ -46,7 +46,7 @@ def write_synthetic_dump(
 ) -> str:
     """Writes the dump and returns ``path``; lengths are uniform in ``[min_len, max_len]``.
 
-    ``path`` is written through :func:`megatron_r3.dataplane.output_files.atomic_output`: an
+    ``path`` is written through :func:`megatron_r3.dataplane.formats.output_files.atomic_output`: an
     existing file is refused unless ``overwrite``.
     """
     if not 2 <= min_len <= max_len:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_r3.dataplane.validation import (
+from megatron_r3.dataplane.route_checks import (
     RoutingValidationError,
     check_integer_dtype,
     token_validity,
@@ -40,7 +40,7 @@ def id_dtype(num_experts: int) -> np.dtype:
 class RolloutRoutes:
     """One sample's routes, ``[num_tokens, num_moe_layers, topk]``, plus their meaning.
 
-    Build it with :meth:`from_ids` (or an adapter in :mod:`megatron_r3.dataplane.adapters`),
+    Build it with :meth:`from_ids` (or an adapter in :mod:`megatron_r3.dataplane.engines.adapters`),
     which validates and compacts; the constructor trusts its input.
 
     Attributes:
@@ -99,7 +99,7 @@ class RolloutRoutes:
             sample: Sample index for error messages.
 
         Raises:
-            RoutingValidationError: see :func:`megatron_r3.dataplane.validation.validate_routes`; without
+            RoutingValidationError: see :func:`megatron_r3.dataplane.route_checks.validate_routes`; without
                 ``valid``, also a token with rows of all -1 at some layers but routes at others.
         """
         ids = _as_numpy(ids)

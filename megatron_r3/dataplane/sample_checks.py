@@ -1,9 +1,9 @@
 """Checks of the numbers a rollout sample brings to the loss, run wherever samples enter.
 
-Samples enter through the engine adapters (:mod:`megatron_r3.dataplane.engine_samples`,
+Samples enter through the engine adapters (:mod:`megatron_r3.dataplane.engines.engine_samples`,
 ``tools/dump_rollouts.py``), the dump writer and reader
-(:mod:`megatron_r3.dataplane.dump_writer`, :mod:`megatron_r3.dataplane.dump_reader`), the built-in engine
-(:mod:`megatron_r3.rl.rollout_engine`) and the trainer's step. Each runs these
+(:mod:`megatron_r3.dataplane.formats.dump_writer`, :mod:`megatron_r3.dataplane.formats.dump_reader`),
+the built-in engine (:mod:`megatron_r3.rl.rollout.engine`) and the trainer's step. Each runs these
 checks, so a bad number is refused where it comes in, with the sample, the
 token and the field named, and never reaches the weights:
 

@@ -2,7 +2,7 @@
 
 :class:`RolloutSample` is what a rollout engine returns for one prompt and completion
 (tokens, loss mask, log-probs, routes) and what the trainer packs; the rollout dump
-(:mod:`megatron_r3.dataplane.rollout_dump`) stores it. :class:`RoutingSpec` says what a
+(:mod:`megatron_r3.dataplane.formats.rollout_dump`) stores it. :class:`RoutingSpec` says what a
 model's routes must look like (its MoE layers, experts, top-k); every adapter and check
 of routes takes one.
 """

@@ -8,8 +8,8 @@ batches, whose sequences are first padded to a multiple of ``2 * cp``.
 
 :func:`zigzag_placement` is the one place this placement is computed: core
 attention builds its causal mask from it on the device, the data plane places
-tokens (:mod:`megatron_r3.dataplane.microbatches`) and routes
-(:mod:`megatron_r3.dataplane.plan`) with it on the host, so replayed routes and
+tokens (:mod:`megatron_r3.dataplane.device.microbatches`) and routes
+(:mod:`megatron_r3.dataplane.device.plan`) with it on the host, so replayed routes and
 tokens cannot disagree.
 """
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
 from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
-from megatron_r3.rl.policy_trainer import REPLAY_MODES
-from megatron_r3.rl.profiling import add_profiling_args, profiling_problems
+from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
+from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
-from megatron_r3.rl.tasks import TRANSFORMS, SymbolTask
-from megatron_r3.rl.training_stack import add_training_stack_args, training_stack_problems
+from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
+from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
 from megatron_r3.routing_replay import add_routing_replay_args
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
@@ -117,7 +117,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
     training = parser.add_argument_group("training")
     training.add_argument("--rollout-dump", default=None,
-                          help="train on this rollout dump (megatron_r3.dataplane.rollout_dump) instead of the "
+                          help="train on this rollout dump (megatron_r3.dataplane.formats.rollout_dump) instead of the "
                                "built-in engine")
     training.add_argument("--allow-truncated-rollout-dump", action="store_true",
                           help="train on a --rollout-dump without its footer (its writer did not finish, or the file "

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from megatron_r3.dataplane.jsonl import json_line
+from megatron_r3.dataplane.formats.jsonl import json_line
 
 METRICS_FILE_MODES = ("new", "append", "overwrite", "resume")
 

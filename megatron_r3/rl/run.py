@@ -18,34 +18,34 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_r3.dataplane.microbatches import RowLayout
-from megatron_r3.dataplane.output_files import OutputFileError, check_output
-from megatron_r3.dataplane.plan import RankLayout
+from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.device.plan import RankLayout
+from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args
-from megatron_r3.rl.checkpoint_dirs import find_checkpoint, save_directory_problem
-from megatron_r3.rl.checkpoint_rng import RNGStateNotRestoredWarning
-from megatron_r3.rl.checkpoint_space import checkpoint_bytes, space_problem
-from megatron_r3.rl.checkpointing import (
+from megatron_r3.rl.arguments import complete_args, task_of
+from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
     NonFiniteCheckpointError,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_r3.rl.checkpoint.dirs import find_checkpoint, save_directory_problem
+from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
+from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
 from megatron_r3.rl.metrics_file import MetricsFile, metrics_file_problem, overwrite_warning
-from megatron_r3.rl.model_factory import build_model, transformer_config
-from megatron_r3.rl.phase_timer import PhaseTimer
-from megatron_r3.rl.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
-from megatron_r3.rl.profiling import IterationProfiler
-from megatron_r3.rl.megatron_rollout_engine import MegatronRolloutEngine
-from megatron_r3.rl.rollout_engine import RolloutEngine
-from megatron_r3.rl.rollout_engines import build_rollout_engine
-from megatron_r3.rl.rollout_sources import DumpRollouts, EmbeddedRollouts
+from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.profiling.phase_timer import PhaseTimer
+from megatron_r3.rl.profiling.profiler import IterationProfiler
+from megatron_r3.rl.rollout.engine import RolloutEngine
+from megatron_r3.rl.rollout.engine_choice import build_rollout_engine
+from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
+from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
-from megatron_r3.rl.train_metrics import iteration_metrics, progress_line
-from megatron_r3.rl.training_stack import build_training_stack
+from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
+from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.trainer.training_stack import build_training_stack
 
 
 @dataclass
@@ -97,7 +97,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
     engine = build_rollout_engine(args, device, chunks, spec, rows, per_rank)
-    return TrainingRun(args, trainer, EmbeddedRollouts(args, engine, per_rank), engine)
+    return TrainingRun(args, trainer, EmbeddedRollouts(args, task_of(args), engine, per_rank), engine)
 
 
 def check_outputs(
@@ -178,7 +178,7 @@ def save(run: TrainingRun) -> None:
 
 def check_save_space(run: TrainingRun) -> None:
     """Before the first iteration: ``--save`` has room for one checkpoint (its size from the model and the
-    optimizer, :mod:`megatron_r3.rl.checkpoint_space`), on every rank."""
+    optimizer, :mod:`megatron_r3.rl.checkpoint.space`), on every rank."""
     if run.args.save is None:
         return
     problem = space_problem(run.args.save, checkpoint_bytes(checkpoint_models(run), run.trainer.stack.optimizer))

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.dataplane.dump_checks import check_records, repeated_records
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_checks import check_records, repeated_records
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
 from megatron_r3.layers.hybrid_pattern import (
     check_hybrid_layer_pattern,
     hybrid_mtp_depths,
@@ -270,7 +270,7 @@ def _raise_first(problems: Sequence[Optional[str]]) -> None:
 
 def metrics_file_mode(exists: bool, resumed: bool, append: bool, overwrite: bool,
                       written_by_this_run: bool) -> tuple[str, Optional[str]]:
-    """How a run writes its ``--metrics-file``: a :class:`~megatron_r3.rl.train_metrics.MetricsFile` mode, or a problem.
+    """How a run writes its ``--metrics-file``: a :class:`~megatron_r3.rl.metrics_file.MetricsFile` mode, or a problem.
 
     Args:
         exists: The file exists.
@@ -298,7 +298,7 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
     """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
 
     Every record's CRC, routes, log-probs and loss fields are checked
-    (:func:`~megatron_r3.dataplane.dump_checks.check_records`), one record in memory at a time.
+    (:func:`~megatron_r3.dataplane.formats.dump_checks.check_records`), one record in memory at a time.
     Records that repeat an earlier one (the same sample twice) are counted and ``log`` warns of
     them, naming the first. Call it on every rank.
 

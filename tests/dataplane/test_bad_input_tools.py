@@ -15,11 +15,11 @@ import re
 import numpy as np
 import pytest
 
-from megatron_r3.dataplane.dump_checks import check_records
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.engine_samples import vllm_samples
-from megatron_r3.dataplane.rollout_dump import RolloutDumpError
+from megatron_r3.dataplane.engines.engine_samples import vllm_samples
+from megatron_r3.dataplane.formats.dump_checks import check_records
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError
 from megatron_r3.dataplane.sample_checks import SampleValueError
 from megatron_r3.dataplane.samples import RolloutSample
 from tests.support.planted import snapshot, unchecked_writer
@@ -529,7 +529,7 @@ def test_repeated_requests_in_jsonl_are_warned_of_with_their_lines(tmp_path, cap
 
 
 def test_repeated_records_of_a_dump_are_found_by_their_content():
-    from megatron_r3.dataplane.dump_checks import repeated_records
+    from megatron_r3.dataplane.formats.dump_checks import repeated_records
 
     samples = [_sample(seed=0), _sample(seed=1), _sample(seed=0), _sample(seed=1, meta={"reward": 0.25}),
                _sample(seed=1)]

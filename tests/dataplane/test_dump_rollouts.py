@@ -16,11 +16,11 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from megatron_r3.dataplane.dump_reader import RolloutDumpReader
-from megatron_r3.dataplane.dump_writer import RolloutDumpWriter
-from megatron_r3.dataplane.engine_samples import sglang_sample, sglang_samples, vllm_samples
+from megatron_r3.dataplane.engines.engine_samples import sglang_sample, sglang_samples, vllm_samples
+from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.dataplane.validation import RoutingValidationError
 from tools.dump_rollouts import main, request_output_to_json
 
 ROOT = Path(__file__).resolve().parents[2]

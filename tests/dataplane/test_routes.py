@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.routes import RolloutRoutes, concat_routes, id_dtype, layer_index
-from megatron_r3.dataplane.validation import RoutingValidationError
 
 
 def test_id_dtype_is_never_wider_than_needed():

@@ -17,7 +17,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_r3.layers import grouped_experts
 from megatron_r3.layers.grouped_experts import GroupedGemmExperts, grouped_mm_runs
-from megatron_r3.rl.host_syncs import counted_host_syncs
+from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from tests.support.batches import layout_microbatches, make_sequences
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel

@@ -6,7 +6,7 @@ import torch
 from megatron_r3.layers import transformer_impl
 from megatron_r3.layers.transformer_impl import resolve_grouped_gemm_impl, resolve_transformer_impl, with_experts
 from megatron_r3.rl.arguments import parse_args
-from megatron_r3.rl.model_factory import transformer_config
+from megatron_r3.rl.model.factory import transformer_config
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False}

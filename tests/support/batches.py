@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_r3.dataplane.microbatches import padded_thd_params
+from megatron_r3.dataplane.device.microbatches import padded_thd_params
 from megatron_r3.layers.context_parallel import zigzag_placement
 
 

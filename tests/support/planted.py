@@ -14,7 +14,7 @@ from unittest import mock
 
 import numpy as np
 
-from megatron_r3.dataplane import dump_writer
+from megatron_r3.dataplane.formats import dump_writer
 
 
 @contextlib.contextmanager

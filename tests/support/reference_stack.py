@@ -1,6 +1,6 @@
 """The RL loop's training stack before Megatron's: a reference for tests and benchmarks.
 
-:class:`OldLoopStack` stands in for :func:`megatron_r3.rl.training_stack.build_training_stack`
+:class:`OldLoopStack` stands in for :func:`megatron_r3.rl.trainer.training_stack.build_training_stack`
 (same constructor and attributes): the model chunks unwrapped, a plain ``torch.optim.AdamW``
 over them, and gradients all-reduced parameter by parameter over the data-parallel group
 (expert parameters over the expert data-parallel group), then scaled by the float32

@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_r3.dataplane.expert_counts import ExpertCountExchange
+from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.routing_replay import chunk_moe_layers, moe_routing_for_chunk
 from tests.support.harness import Step, routes, run_layout
 from tests.support.parallel import Layout
@@ -66,7 +66,7 @@ def replay_forward_step(
 
     ``forced=None`` routes live (and only records). Each microbatch's MoERouting is
     appended to ``recordings`` with the global token id of each router row. With an
-    ``exchange`` (:class:`~megatron_r3.dataplane.expert_counts.ExpertCountExchange`) the routes also
+    ``exchange`` (:class:`~megatron_r3.dataplane.device.expert_counts.ExpertCountExchange`) the routes also
     carry the host token counts of the expert tensor-and-model-parallel group.
     """
     mb = next(data_iterator)

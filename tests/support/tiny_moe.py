@@ -2,7 +2,7 @@
 
 :class:`TinyMoE` and :class:`~tests.support.parallel.Layout` become the launcher's flags;
 :func:`build_gpt` parses them with :func:`megatron_r3.rl.arguments.parse_args` and builds
-through :mod:`megatron_r3.rl.model_factory`, so the tests run the model the launcher runs.
+through :mod:`megatron_r3.rl.model.factory`, so the tests run the model the launcher runs.
 """
 
 import argparse
@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.layers.moe_layers import hybrid_moe_layers
 from megatron_r3.rl.arguments import parse_args
-from megatron_r3.rl.model_factory import build_model, transformer_config
+from megatron_r3.rl.model.factory import build_model, transformer_config
 from tests.support.parallel import Layout
 from tests.support.weights import init_from_seed
 
@@ -106,7 +106,7 @@ def build_gpt(
         device: Where the chunks live; defaults to the CPU.
         flags: More launcher flags, e.g. ``--moe-enable-routing-replay``.
         **fields: ``TransformerConfig`` fields no flag sets (router variants, aux losses, ...),
-            as :func:`megatron_r3.rl.model_factory.transformer_config` takes them.
+            as :func:`megatron_r3.rl.model.factory.transformer_config` takes them.
     """
     device = device or torch.device("cpu")
     args = launcher_args(layout, model, flags)

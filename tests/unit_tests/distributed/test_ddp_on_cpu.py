@@ -4,7 +4,7 @@
 Without CUDA, DistributedDataParallel keeps its buffers on the CPU and reduces them with gloo:
 the gradients it hands on are autograd's, with or without overlapped, bucketed reduction and
 the distributed optimizer's reduce-scatter. Two ranks and the whole training stack:
-tests/rl/test_training_stack.py.
+tests/rl/trainer/test_training_stack.py.
 """
 
 import pytest

@@ -4,7 +4,7 @@ the distributed optimizer's checkpoints with torch.optim.
 
 One rank here (a gloo group of one, so the distributed optimizer has a single shard and still
 runs its reduce-scatter, all-gather and state gathers); two ranks, other layouts and the
-launcher: tests/rl/test_training_stack.py and tests/rl/test_checkpointing.py.
+launcher: tests/rl/trainer/test_training_stack.py and tests/rl/checkpoint/test_checkpointing.py.
 """
 
 import math

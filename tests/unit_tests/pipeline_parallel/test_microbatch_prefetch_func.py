@@ -3,7 +3,7 @@
 
 The no-pipelining schedule, training and forward-only, on one rank; 1F1B and interleaved
 1F1B (and Megatron-LM's RerunDataIterator around the iterators) run in
-tests/dataplane/test_prefetch.py on two ranks.
+tests/dataplane/device/test_prefetch.py on two ranks.
 """
 
 import pytest

@@ -1,0 +1,200 @@
+"""Rollout samples -> one rank's packed (THD) microbatches.
+
+A microbatch is a few rollout samples packed into one row (b = 1). Each sample is
+padded to Megatron's alignment (``2*cp``, times ``tp`` under sequence parallelism)
+and the last one further, so that the row is exactly ``seq_length`` long: pipeline
+stages exchange activations of a fixed shape. This context-parallel rank keeps
+chunks ``r`` and ``2*cp-1-r`` of every sample (Megatron's zigzag), the order in
+which :class:`~megatron_r3.dataplane.device.plan.RoutingPlan` (built with the same ``padded_lens``)
+lays out the routes.
+
+:class:`RowLayout` packs a rank's samples ``micro_batch_size`` at a time and
+builds the routing plans of each microbatch; the rollout engine and the trainer
+share it, so both run exactly the same rows.
+
+Position ``t`` of a sample predicts token ``t + 1``: its label, loss mask,
+rollout log-prob and advantage are those of token ``t + 1``; the last position
+predicts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_r3.dataplane.device.filler_routes import first_dead_position
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
+from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.moe_layers import chunk_vp_stages
+
+
+@dataclass
+class RolloutMicrobatch:
+    """What one rank feeds to the model for one microbatch (all ``[1, s_local]`` but the params).
+
+    Attributes:
+        tokens: int64 input ids.
+        labels: int64 next-token ids (0 where there is none).
+        loss_mask: float32, 1 where the next token is trained on.
+        rollout_logprobs: float32 rollout log-prob of the next token (0 where unknown).
+        advantages: float32 advantage of the next token's sample (0 where none is given).
+        dead_mask: bool, True at positions whose output no loss can see (from the last
+            loss-bearing position of each sample on, and padding); Megatron's
+            ``padding_mask`` for the MoE layers (:mod:`megatron_r3.dataplane.device.filler_routes`).
+        position_ids: int64 position of each token within its sample.
+        row_index: int64 ``[s_local]`` on the host: where each local token sits in the full row.
+        packed_seq_params: THD parameters of the full (not CP-split) row.
+        sample_lens: Token count of each sample, in packing order.
+        padded_lens: Padded length of each sample (sums to ``seq_length``).
+        seq_length: Length of the full packed row.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    dead_mask: torch.Tensor
+    position_ids: torch.Tensor
+    row_index: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    sample_lens: list[int]
+    padded_lens: list[int]
+    seq_length: int
+
+
+def pack_rollout_microbatch(
+    samples: Sequence[RolloutSample],
+    rank: RankLayout,
+    seq_length: int,
+    device: torch.device,
+    advantages: Optional[Sequence[float]] = None,
+) -> RolloutMicrobatch:
+    """Packs ``samples`` into this rank's THD microbatch of a ``seq_length`` row.
+
+    Args:
+        samples: The microbatch's samples (their ``logprobs`` may be None).
+        rank: This rank's layout; only TP/SP and CP matter here.
+        seq_length: Length of the packed row, a multiple of ``rank.alignment``.
+        device: Where the tensors go.
+        advantages: One advantage per sample, spread over its trained tokens (default 0).
+
+    Raises:
+        ValueError: the padded samples do not fit in ``seq_length``.
+    """
+    if not samples:
+        raise ValueError("a microbatch needs at least one sample")
+    if advantages is not None and len(advantages) != len(samples):
+        raise ValueError(f"{len(advantages)} advantages for a microbatch of {len(samples)} samples")
+    if seq_length % rank.alignment:
+        raise ValueError(f"--seq-length {seq_length} must be a multiple of {rank.alignment} (2*cp, times tp with SP)")
+    lens = [len(s.token_ids) for s in samples]
+    padded = padded_lengths(lens, rank)
+    if padded.sum() > seq_length:
+        raise ValueError(
+            f"samples of {lens} tokens need {int(padded.sum())} positions once padded to multiples of "
+            f"{rank.alignment}; --seq-length is {seq_length}: raise it or lower --micro-batch-size"
+        )
+    padded[-1] += seq_length - padded.sum()
+
+    row = {name: np.zeros(seq_length, dtype) for name, dtype in
+           (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32),
+            ("advantages", np.float32), ("dead", np.bool_))}
+    start = 0
+    for i, (sample, length, width) in enumerate(zip(samples, lens, padded)):
+        row["dead"][start + first_dead_position(sample.loss_mask):start + int(width)] = True
+        row["tokens"][start:start + length] = sample.token_ids
+        row["labels"][start:start + length - 1] = sample.token_ids[1:]
+        row["loss_mask"][start:start + length - 1] = sample.loss_mask[1:]
+        if sample.logprobs is not None:
+            row["logprobs"][start:start + length - 1] = sample.logprobs[1:]
+        if advantages is not None:
+            row["advantages"][start:start + length - 1] = advantages[i] * sample.loss_mask[1:]
+        start += int(width)
+
+    cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
+    index, _, position = zigzag_placement(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
+
+    def local(name):
+        return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
+
+    params = padded_thd_params(_to_device(cu_padded, device), int(padded.max()))
+    return RolloutMicrobatch(
+        tokens=local("tokens"),
+        labels=local("labels"),
+        loss_mask=local("loss_mask"),
+        rollout_logprobs=local("logprobs"),
+        advantages=local("advantages"),
+        dead_mask=local("dead"),
+        position_ids=_to_device(position.unsqueeze(0), device),
+        row_index=index.to(torch.int64),
+        packed_seq_params=params,
+        sample_lens=lens,
+        padded_lens=[int(p) for p in padded],
+        seq_length=seq_length,
+    )
+
+
+def padded_thd_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
+    """Self-attention over packed samples whose alignment padding follows each sample's last token.
+
+    Under causal attention no real token sees the padding after it, so the attention is told
+    the padded lengths, as one tensor for every ``cu_seqlens`` field: the real tokens' outputs
+    and gradients are those of the unpadded samples, and the padded rows are ordinary causal
+    rows whose outputs reach no loss. TransformerEngine reads the shared tensor as "no padding
+    between sequences" without a host sync; told real lengths with padding between sequences,
+    its p2p context-parallel backward left the padded rows' query gradients unwritten
+    (TE 2.20.2, docs/routing_replay.md).
+    """
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_padded, cu_seqlens_kv=cu_seqlens_padded,
+                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy to a GPU (through pinned memory: a pageable copy waits for the device)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a rank packs samples into the rows the model runs (shared by engine and trainer).
+
+    Attributes:
+        rank: This rank's place in the layout (TP/SP, CP, PP rank).
+        config: The model's ``TransformerConfig`` (its pipeline split: which chunk builds which layers).
+        seq_length: Length of a packed row.
+        micro_batch_size: Samples per row.
+        device: Where the rows go.
+        hybrid_layer_pattern: A HybridModel's layer pattern (its ``|`` segments are the chunks);
+            None for a GPTModel.
+    """
+
+    rank: RankLayout
+    config: TransformerConfig
+    seq_length: int
+    micro_batch_size: int
+    device: torch.device
+    hybrid_layer_pattern: Optional[str] = None
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks on this rank (virtual pipeline stages)."""
+        return len(chunk_vp_stages(self.config))
+
+    def plans(self, batch: RolloutMicrobatch, source_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
+        """The routing plan of each of this rank's model chunks for ``batch``.
+
+        ``source_layer_numbers`` are the MoE layers the batch's routes hold (``RolloutRoutes.layer_numbers``).
+        """
+        return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=source_layer_numbers,
+                           config=self.config, hybrid_layer_pattern=self.hybrid_layer_pattern, qkv_format="thd",
+                           padded_lens=batch.padded_lens)

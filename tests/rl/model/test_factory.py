@@ -1,0 +1,104 @@
+"""megatron_r3.rl.model.factory: the flags reach the TransformerConfig, and the routers take a MoERouting
+exactly when a pass gives them one."""
+
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.initialize import init_model_parallel
+from megatron_r3.rl.model.factory import build_model, routers_take_moe_routing, transformer_config
+from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer, PolicyUpdateSettings
+from tests.support.launcher import run_workers
+from tests.support.parallel import Layout
+
+CPU = torch.device("cpu")
+DUMP = ["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "64"]
+
+
+@pytest.mark.parametrize("flags, takes", [
+    ([], True),  # the embedded run compares by default: its live-trained policy replays in that pass
+    (["--no-r3-compare"], False),
+    (["--moe-enable-routing-replay"], True),
+    (["--moe-enable-routing-replay", "--no-r3-compare"], True),
+    (["--moe-enable-routing-replay", "--routing-replay-mode", "r2", "--no-r3-compare"], True),
+    (DUMP, False),  # dump mode does not compare by default
+    (DUMP + ["--r3-compare"], True),
+    (DUMP + ["--moe-enable-routing-replay"], True),
+])
+def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes):
+    args = parse_args(flags)
+    assert routers_take_moe_routing(args) is takes
+    config = transformer_config(args, CPU)
+    assert config.moe_enable_routing_replay is takes
+    # The trainer's passes agree with the model: it refuses only a model built without the field.
+    settings = PolicyUpdateSettings.from_args(args)
+    assert settings.routers_take_moe_routing is takes
+    if takes:
+        live_only = transformer_config(parse_args(DUMP), CPU)
+        with pytest.raises(ValueError, match="need routers that take a MoERouting"):
+            PolicyTrainer(None, live_only, None, None, settings)
+    # The rollout engine records its routes whatever the training flags say, in bf16.
+    engine = transformer_config(args, CPU, rollout_engine=True)
+    assert engine.moe_enable_routing_replay and engine.bf16 and engine.params_dtype == torch.bfloat16
+    assert not transformer_config(args, CPU).bf16
+    # It runs its experts as grouped GEMMs, as inference engines do; the trainer too, unless asked not to.
+    assert engine.moe_grouped_gemm and transformer_config(args, CPU).moe_grouped_gemm
+    assert transformer_config(parse_args([*flags, "--moe-grouped-gemm"]), CPU).moe_grouped_gemm
+    no_grouped = parse_args([*flags, "--no-moe-grouped-gemm"])
+    assert not transformer_config(no_grouped, CPU).moe_grouped_gemm
+    assert transformer_config(no_grouped, CPU, rollout_engine=True).moe_grouped_gemm
+
+
+def test_model_flags_reach_the_config():
+    args = parse_args(["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                       "--add-bias-linear", "--moe-routing-replay-check-values",
+                       "--no-moe-check-host-tokens-per-expert", "--moe-router-score-function", "sigmoid"])
+    config = transformer_config(args, CPU)
+    assert (config.tensor_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+    assert config.add_bias_linear and config.moe_router_score_function == "sigmoid"
+    assert config.moe_routing_replay_check_values and not config.moe_check_host_tokens_per_expert
+    # Megatron's default expert-TP is TP; the launcher's linear layers have no biases unless asked.
+    for flags in ([], ["--disable-bias-linear"]):
+        config = transformer_config(parse_args(["--tensor-model-parallel-size", "2", *flags]), CPU)
+        assert config.expert_tensor_parallel_size == 2 and not config.add_bias_linear
+
+
+def test_fields_without_a_flag_replace_the_fixed_choices_and_a_flagged_field_is_refused():
+    args = parse_args([])
+    assert transformer_config(args, CPU).moe_router_load_balancing_type == "none"
+    config = transformer_config(args, CPU, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+                                moe_router_pre_softmax=True)
+    assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == ("aux_loss", 0.1)
+    assert config.moe_router_pre_softmax
+    with pytest.raises(ValueError, match=r"\['moe_enable_routing_replay', 'moe_router_score_function'\] come "
+                                         r"from flags: pass the flags instead"):
+        transformer_config(args, CPU, moe_router_score_function="sigmoid", moe_enable_routing_replay=True)
+
+
+def expert_tp_worker(argv):
+    """This rank's expert-TP size and its first MoE layer's experts, built from the flags."""
+    args = parse_args(argv)
+    init_model_parallel(args, create_gloo_process_groups=False)
+    try:
+        (chunk,) = build_model(args, transformer_config(args, CPU), CPU)
+        experts = chunk.decoder.layers[0].mlp.experts.local_experts
+        fc1 = experts[0].linear_fc1
+        return {"etp": parallel_state.get_expert_tensor_parallel_world_size(), "local_experts": len(experts),
+                "fc1": tuple(fc1.weight.shape), "fc1_bias": None if fc1.bias is None else tuple(fc1.bias.shape)}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_expert_tensor_parallel_size_reaches_the_parallel_state_and_the_experts():
+    """TP2 + SP on two ranks (hidden 128, 8 experts of FFN 128): by default the experts are split
+    over TP like the dense layers; with EP2 and expert-TP 1 each rank holds half the experts, whole,
+    and they may have biases."""
+    model = ["--moe-layer-freq", "1"]
+    split, whole = (run_workers(expert_tp_worker, 2, [*layout.flags, *model, *flags], backend="gloo")
+                    for layout, flags in ((Layout(tp=2, sp=True), []),
+                                          (Layout(tp=2, sp=True, ep=2, etp=1), ["--add-bias-linear"])))
+    for result in split:
+        assert result == {"etp": 2, "local_experts": 8, "fc1": (64, 128), "fc1_bias": None}
+    for result in whole:
+        assert result == {"etp": 1, "local_experts": 4, "fc1": (128, 128), "fc1_bias": (128,)}

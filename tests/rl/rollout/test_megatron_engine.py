@@ -1,0 +1,198 @@
+"""Megatron's inference engine as the loop's rollout engine: where it runs, its finished requests as samples,
+its router recording kept to its own routers; on a GPU, the loop replaying the routes it records."""
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.inference.inference_request import DynamicInferenceRequest, Status
+from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from megatron_r3.dataplane.samples import RoutingSpec
+from megatron_r3.dataplane.route_checks import RoutingValidationError
+from megatron_r3.rl.rollout import megatron_engine
+from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.rollout.megatron_engine import (
+    MegatronRolloutEngine,
+    flash_attention_problem,
+    megatron_engine_problem,
+    recording_with,
+    sample_from_request,
+)
+from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
+from megatron_r3.rl.rollout.engine_choice import resolve_rollout_engine
+from tests.support.launcher import run_workers
+from tests.support.parallel import Layout, init_parallel
+from tests.support.tiny_moe import TinyMoE, build_gpt
+from tests.test_launch import EMBEDDED_FLAGS, train_worker
+
+SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=4, topk=2)
+
+
+def _layout(**sizes) -> argparse.Namespace:
+    flags = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                 expert_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=None, hybrid_layer_pattern=None)
+    return argparse.Namespace(**{**flags, **sizes})
+
+
+def test_a_cpu_run_defaults_to_the_built_in_engine_and_refuses_megatrons_naming_cuda():
+    assert resolve_rollout_engine(parse_args([]), torch.device("cpu")) == "local"
+    assert resolve_rollout_engine(parse_args(["--rollout-engine", "local"]), torch.device("cpu")) == "local"
+    with pytest.raises(ValueError, match=r"--rollout-engine megatron cannot run here: it needs CUDA and this run "
+                                         r"computes on cpu: .*torch\.cuda\.current_device.*--rollout-engine local"):
+        resolve_rollout_engine(parse_args(["--rollout-engine", "megatron"]), torch.device("cpu"))
+
+
+def test_without_flash_attention_megatrons_engine_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: "flash-attn is not installed")
+    assert megatron_engine_problem(_layout(), torch.device("cuda")) == "flash-attn is not installed"
+    args = parse_args(["--rollout-engine", "megatron"])
+    with pytest.raises(ValueError, match="cannot run here: flash-attn is not installed"):
+        resolve_rollout_engine(args, torch.device("cuda"))
+    assert resolve_rollout_engine(parse_args([]), torch.device("cuda")) == "local"
+
+
+@pytest.mark.parametrize("flag, value", [("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 2),
+                                         ("context_parallel_size", 2), ("expert_model_parallel_size", 2),
+                                         ("num_virtual_stages_per_pipeline_rank", 2)])
+def test_megatrons_engine_needs_a_replica_of_one_gpu_with_one_expert_rank(monkeypatch, flag, value):
+    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: None)
+    assert megatron_engine_problem(_layout(), torch.device("cuda")) is None
+    problem = megatron_engine_problem(_layout(**{flag: value}), torch.device("cuda"))
+    assert problem.endswith(f"this run has --{flag.replace('_', '-')} {value}")
+
+
+def test_a_hybrid_model_generates_on_the_built_in_engine(monkeypatch):
+    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: None)
+    problem = megatron_engine_problem(_layout(hybrid_layer_pattern="*E*E"), torch.device("cuda"))
+    assert problem.endswith("this run builds a HybridModel (--hybrid-layer-pattern '*E*E')")
+    assert resolve_rollout_engine(parse_args(["--hybrid-layer-pattern", "*E*E"]), torch.device("cuda")) == "local"
+
+
+def _request(prompt, generated, logprobs, routing, status=Status.COMPLETED):
+    return DynamicInferenceRequest(request_id=7, prompt_tokens=torch.tensor(prompt), generated_tokens=list(generated),
+                                   generated_log_probs=logprobs, routing_indices=routing, status=status,
+                                   sampling_params=MegatronSamplingParams())
+
+
+def _routing(tokens, seed=0):
+    """int16 ``[tokens - 1, MoE layers, topk]`` of distinct experts, as the engine rebuilds them from its blocks."""
+    rng = np.random.default_rng(seed)
+    return np.stack([[rng.choice(SPEC.num_experts, SPEC.topk, replace=False) for _ in SPEC.model_moe_layers]
+                     for _ in range(tokens - 1)]).astype(np.int16)
+
+
+def test_a_finished_request_becomes_a_sample_with_its_completion_logprobs_and_routes():
+    routing = _routing(6)
+    sample = sample_from_request(_request([5, 6, 7], [9, 3, 1], [-0.5, -1.25, -0.125], routing), SPEC, sample=0)
+    assert sample.token_ids.tolist() == [5, 6, 7, 9, 3, 1]
+    assert sample.loss_mask.tolist() == [False, False, False, True, True, True]
+    assert sample.logprobs.tolist() == [0, 0, 0, -0.5, -1.25, -0.125]  # no loss sees the prompt's
+    assert sample.routes.valid.tolist() == [True] * 5 + [False]  # the final sampled token never ran
+    np.testing.assert_array_equal(sample.routes.ids[:5], routing)
+
+
+def test_a_failed_request_is_refused_naming_the_sample():
+    request = _request([5, 6, 7], [], [], None, status=Status.FAILED)
+    with pytest.raises(RolloutEngineError, match="sample 3 ended FAILED, not COMPLETED"):
+        sample_from_request(request, SPEC, sample=3)
+
+
+def test_a_request_without_logprobs_or_routes_is_refused():
+    with pytest.raises(RolloutEngineError, match="sample 1 has 2 generated tokens and no log-probs"):
+        sample_from_request(_request([5, 6], [9, 1], None, _routing(4)), SPEC, sample=1)
+    with pytest.raises(RoutingValidationError, match="sample 2: Megatron returned no routing_indices"):
+        sample_from_request(_request([5, 6], [9, 1], [-1.0, -2.0], None), SPEC, sample=2)
+    repeated = _routing(4)
+    repeated[2, 1] = [3, 3]
+    with pytest.raises(RoutingValidationError, match="sample 4"):
+        sample_from_request(_request([5, 6], [9, 1], [-1.0, -2.0], repeated), SPEC, sample=4)
+
+
+def test_recording_is_kept_to_the_engines_routers_and_cleared_after():
+    before = list(RouterReplay.global_router_replay_instances)
+    others, ours = RouterReplay(), RouterReplay()  # the policy's router, the engine's
+    try:
+        with recording_with([ours]):
+            assert RouterReplay.global_router_replay_instances == [ours]
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)  # as the engine does
+            ours.record_indices(torch.tensor([[0, 1]]))
+        assert RouterReplay.global_router_replay_instances == before + [others, ours]
+        assert others.router_replay_action is None and ours.router_replay_action is None
+        assert ours.get_recorded_indices() is None
+    finally:
+        RouterReplay.global_router_replay_instances[:] = before
+
+
+# On a GPU where Megatron's engine runs: the loop with it trains on the routes it records.
+
+needs_megatron_engine = pytest.mark.skipif(
+    torch.cuda.is_available() and flash_attention_problem() is not None,
+    reason="Megatron's dynamic engine needs flash-attn >= 2.7.3 (or FA3/FA4)")
+
+MODEL, MAX_NEW = TinyMoE(vocab_size=48), 6
+
+
+def _greedy_worker():
+    from megatron.core import parallel_state
+
+    device = init_parallel(Layout())
+    try:
+        flags = ["--moe-enable-routing-replay", "--bf16"]  # flash attention takes bf16
+        config, policy = build_gpt(Layout(), MODEL, seed=4, device=device, flags=flags)
+        prompts = [np.random.default_rng(i).integers(1, MODEL.vocab_size, size=3 + i) for i in range(8)]
+        engine = MegatronRolloutEngine(
+            lambda: build_gpt(Layout(), MODEL, seed=4, device=device, flags=flags)[1], policy,
+            RoutingSpec.from_config(config), SamplingParams(1.0, MAX_NEW, stop_token=-1, seed=11), staleness=0,
+            max_requests=len(prompts), max_sequence_length=MODEL.max_sequence_length, top_k=1)
+        engine.weights.advance()
+        samples = engine.generate(prompts, iteration=1)
+        # The same weights without a KV cache: the whole prefix again for every token, its argmax appended.
+        model, reference = engine.chunks[0], []
+        with torch.no_grad():
+            for prompt in prompts:
+                tokens = prompt.tolist()
+                for _ in range(MAX_NEW):
+                    ids = torch.tensor([tokens], device=device)
+                    logits = model(ids, torch.arange(len(tokens), device=device)[None], None)
+                    tokens.append(int(logits[0, -1].argmax()))
+                reference.append(tokens)
+        return {"got": [s.token_ids.tolist() for s in samples], "reference": reference,
+                "routed": [int(s.routes.valid.sum()) for s in samples]}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+@needs_megatron_engine
+def test_megatrons_greedy_decoding_draws_the_tokens_of_rerunning_the_prefix():
+    ((result),) = run_workers(_greedy_worker, 1, backend="nccl", timeout=300)
+    assert result["got"] == result["reference"]
+    assert result["routed"] == [len(tokens) - 1 for tokens in result["got"]]  # all but the final token
+
+
+@pytest.mark.gpu
+@needs_megatron_engine
+def test_the_loop_with_megatrons_engine_replays_the_routes_it_records():
+    """R3 with Megatron's engine: the update replays the routes the engine recorded, replay brings the
+    trainer's log-probs closer to the engine's than routing live, and the engine's log-probs and routes
+    are as close to the trainer's as the built-in engine's (both run the same bf16 weights)."""
+    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", "--train-iters", "3", "--init-method-std", "0.15"]
+
+    def history(engine):
+        ((result),) = run_workers(train_worker, 1, argv + ["--rollout-engine", engine], backend="nccl", timeout=300)
+        return result["history"]
+
+    def mean(rows, name):
+        return sum(row[name] for row in rows) / len(rows)
+
+    megatron, local = history("megatron"), history("local")
+    for metrics in megatron:
+        # Every token but each sample's final one (it never ran through the engine) replays its route.
+        assert metrics["routing/replayed_tokens"] > 0 and metrics["routing/live_tokens"] == 0
+        assert metrics["routing/replayed_tokens"] + metrics["routing/filler_tokens"] == metrics["tokens"]
+    assert mean(megatron, "mismatch/replay/k3_kl") < mean(megatron, "mismatch/live/k3_kl")
+    assert mean(megatron, "mismatch/replay/logp_abs_diff") <= 2 * mean(local, "mismatch/replay/logp_abs_diff")
+    assert mean(megatron, "routing/agreement") >= mean(local, "routing/agreement") - 0.1
