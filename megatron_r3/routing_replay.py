@@ -21,13 +21,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting
+from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting, host_counts_unsupported
 
 __all__ = [
     "NO_ROUTE",
     "MoERouting",
     "add_routing_replay_args",
     "chunk_moe_layers",
+    "host_counts_unsupported",
     "moe_routing_for_chunk",
     "routing_replay_check_kwargs",
     "routing_replay_config_kwargs",
@@ -196,8 +197,9 @@ def add_routing_replay_args(
         "--no-moe-check-host-tokens-per-expert",
         dest="moe_check_host_tokens_per_expert",
         action="store_false",
-        help="Skip the per-expert device check (an asynchronous assert, no sync) of the host "
-        "token counts the alltoall dispatcher takes its split sizes from under replay.",
+        help="Skip the per-expert check of the host token counts the alltoall dispatcher takes "
+        "its split sizes from under replay (each layer's counts kept on the device, no sync, and "
+        "compared by MoERouting.verify() after the pass).",
     )
     return parser
 

@@ -13,7 +13,7 @@ A capture holds only while the forward reads nothing back to the host and takes 
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs (patch 0036, ``GroupedGemmExperts``, whose fp32
+  expert, and grouped-GEMM experts read them there (``GroupedGemmExperts``, whose fp32
   GEMMs on CUDA read the group ends on the device: ``megatron_r3.layers.grouped_linear``);
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
