@@ -301,6 +301,18 @@ class TestMoERoutingRouter:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    @pytest.mark.gpu
+    def test_a_partly_filled_row_on_the_gpu_is_reported_without_a_device_assert(self):
+        router = self._router()
+        ids = random_routes(1, 18, seed=4).cuda()
+        ids[0, 5, 1] = -1
+        routing = MoERouting([self.LAYER], expert_ids=ids)
+        probs, _ = router(torch.randn(6, 3, HIDDEN, device="cuda"), moe_routing=routing)
+        with pytest.raises(ValueError, match="token 5 .*MoE layer 2"):
+            routing.verify()
+        torch.cuda.synchronize()  # the CUDA context is intact: the process can save or exit
+        assert torch.isfinite(probs).all()
+
     def test_a_router_replay_action_and_a_moe_routing_are_exclusive(self):
         router = self._router()
         router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
