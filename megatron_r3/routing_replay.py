@@ -21,13 +21,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting
+from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting, host_counts_unsupported
 
 __all__ = [
     "NO_ROUTE",
     "MoERouting",
     "add_routing_replay_args",
     "chunk_moe_layers",
+    "host_counts_unsupported",
     "moe_routing_for_chunk",
     "routing_replay_check_kwargs",
     "routing_replay_config_kwargs",
@@ -75,11 +76,14 @@ def moe_routing_for_chunk(
         layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
             chunk does not build are dropped. Default: exactly the chunk's MoE layers.
         every_token_routed: no row of ``expert_ids`` is -1 (known on the host): the routers
-            only gather the replayed ids, no live top-k runs.
+            take upstream's precomputed-indices path, no live top-k runs.
         host_tokens_per_expert: int64 CPU ``[tp_ep_size, len(layer_numbers), num_experts]``
             token counts of every rank of the expert tensor-and-model-parallel group, when
-            every token replays a route (:mod:`megatron_r3.dataplane.device.expert_counts`): the alltoall
-            dispatcher then takes its split sizes from the host, with no device sync.
+            every token replays a route, the same matrix on every rank of the group (the
+            all-gather of :mod:`megatron_r3.dataplane.device.expert_counts` gives it), and only where
+            :func:`host_counts_unsupported` is None for the model's config: the alltoall
+            dispatcher then takes its split sizes from the host, with no device sync. Check
+            the forward with ``MoERouting.verify()`` where the host waits anyway.
         record: keep the routes every layer takes (``recorded_expert_ids()``).
         keep_live_routes: also keep what the routers' own top-k chose
             (``live_expert_ids()``, for agreement metrics; costs a live top-k per layer).
@@ -196,8 +200,9 @@ def add_routing_replay_args(
         "--no-moe-check-host-tokens-per-expert",
         dest="moe_check_host_tokens_per_expert",
         action="store_false",
-        help="Skip the per-expert device check (an asynchronous assert, no sync) of the host "
-        "token counts the alltoall dispatcher takes its split sizes from under replay.",
+        help="Skip the per-expert check of the host token counts the alltoall dispatcher takes "
+        "its split sizes from under replay (each layer's counts kept on the device, no sync, and "
+        "compared by MoERouting.verify() after the pass).",
     )
     return parser
 

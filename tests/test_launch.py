@@ -91,6 +91,39 @@ def test_dump_training_runs_and_learns_under_layouts(tmp_path, layout):
     assert len(lines) == 7 and lines[1].startswith(" iteration        1/       6 | consumed samples: ")
 
 
+def wrong_counts_worker(argv):
+    """``train_worker`` with rank 0's host token counts of its first MoE layer swapped at two experts:
+    right in sum (the dispatch runs), wrong per expert."""
+    from megatron_r3.dataplane.expert_counts import ExpertCountExchange
+
+    gather = ExpertCountExchange.gather
+
+    def swapped(self, local, num_layers):
+        chunks = gather(self, local, num_layers)
+        if torch.distributed.get_rank() == 0 and chunks[0] is not None:
+            counts = chunks[0][0, 0]  # this rank's row (one rank per tp_ep group), first layer
+            most, least = int(counts.argmax()), int(counts.argmin())
+            counts[[most, least]] = counts[[least, most]]
+        return chunks
+
+    ExpertCountExchange.gather = swapped
+    return train_worker(argv)
+
+
+def test_a_wrong_host_count_stops_the_step_on_every_rank_naming_layer_expert_and_rank(tmp_path):
+    dump = write_dump(tmp_path / "rollouts.r3dump")
+    argv = DUMP_FLAGS + ["--rollout-dump", dump, "--train-iters", "1", "--moe-enable-routing-replay",
+                         *LAYOUTS["dp2"]]
+    with pytest.raises(WorkerError) as failure:
+        run_workers(wrong_counts_worker, 2, argv, backend="gloo")
+    report = str(failure.value)
+    # The rank whose counts were wrong names them; its peer stops too, in the same step, before the
+    # optimizer steps: no device-side assert, the processes end with a Python error.
+    assert re.search(r"rank 0 raised:.*ValueError: MoERouting.host_tokens_per_expert is wrong at MoE layer 2, "
+                     r"expert \d+, tp_ep rank 0: the routes send \d+ tokens there, the counts say \d+", report, re.S)
+    assert re.search(r"rank 1 raised:.*RuntimeError: another rank found wrong routes", report, re.S)
+
+
 def capture_passes():
     """Records every model pass the trainer and the engine run, and the engine's samples.
 

@@ -59,10 +59,12 @@ class GroupedGemmExperts(SequentialMLP):
     def takes_device_tokens_per_expert(self) -> bool:
         """Whether the forward takes ``tokens_per_expert`` on the device without reading it back.
 
-        Read by the MoE layer, so that the dispatcher can leave the counts on the device
-        (patch 0036). What only the input tells (an empty input, a dtype or device where no
-        grouped GEMM runs) still runs ``SequentialMLP.forward``, which reads device counts back:
-        right, with a sync.
+        On one expert rank the dispatcher hands every experts module the counts on the device
+        (patch "moe: the alltoall dispatcher leaves token counts on the device at one tp_ep
+        rank"); where this holds the forward never reads them back, so the pass makes no sync
+        (``megatron_r3.rl.model.forward_graphs`` captures such passes). What only the input tells (an
+        empty input, a dtype or device where no grouped GEMM runs) still runs
+        ``SequentialMLP.forward``, which reads device counts back: right, with a sync.
         """
         config = self.config
         return (

@@ -230,10 +230,10 @@ def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_o
     bf16 grouped GEMMs read them there."""
     assert run_workers(_sync_worker, 1, True, forward_only, True, backend="nccl") == [{"sync_debug": 0, "waits": 0}]
     # Negative controls: SequentialMLP splits on host counts, and so do fp32 experts on a GPU; the dispatcher
-    # waits for them, once per MoE layer.
+    # or the experts read them back (tolist), once per MoE layer.
     for grouped, bf16 in ((False, True), (True, False)):
         (counts,) = run_workers(_sync_worker, 1, grouped, forward_only, bf16, backend="nccl")
-        assert counts["waits"] >= len(MODEL.moe_layers), (grouped, bf16)
+        assert counts["waits"] + counts["sync_debug"] >= len(MODEL.moe_layers), (grouped, bf16)
 
 
 def _dispatch_worker(layout, flags, bias):

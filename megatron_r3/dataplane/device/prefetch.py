@@ -66,8 +66,15 @@ class PreparedMicrobatches:
         """``get_forward_backward_func``'s ``data_iterator``: the iterator, or a list with VP."""
         return self._iterators[0] if self.num_chunks == 1 else self.iterators()
 
-    def prefetch(self, vp_stage: Optional[int] = None) -> None:
-        """Prepare the next microbatch no chunk has taken yet (the schedules' prefetch hook)."""
+    def prefetch(self, microbatch_id: Optional[int] = None, vp_stage: Optional[int] = None) -> None:
+        """Prepare the next microbatch no chunk has taken yet (the schedules' prefetch hook).
+
+        Args:
+            microbatch_id: The schedule's index of the microbatch whose forward was issued;
+                under interleaved 1F1B other chunks may have taken later ones, so the next
+                one is counted here, over all chunks.
+            vp_stage: That forward's model chunk.
+        """
         self._ensure(self._next_new)
 
     @contextlib.contextmanager

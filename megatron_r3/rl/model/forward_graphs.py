@@ -13,7 +13,7 @@ A capture holds only while the forward reads nothing back to the host and takes 
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs that read them there (patch 0036,
+  expert and the experts are grouped GEMMs that read them there (patch 0035,
   ``GroupedGemmExperts`` in bf16);
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so

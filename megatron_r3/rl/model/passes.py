@@ -60,6 +60,16 @@ class PassResult:
     items: list[list[Optional[PassItem]]]
     host_split_microbatches: int
 
+    def verify_routes(self) -> None:
+        """Raise on what the pass's forwards found wrong in their routes on the device
+        (``MoERouting.verify``: a row only partly without a route, a wrong host token count,
+        named by layer, expert and rank). Reads device flags back: call it where the host
+        waits for the device anyway, before the optimizer step."""
+        for per_chunk in self.routings:
+            for routing in per_chunk:
+                if isinstance(routing, MoERouting):
+                    routing.verify()
+
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs of ``labels`` under ``softmax(logits / temperature)``, in float32.

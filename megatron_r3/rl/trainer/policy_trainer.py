@@ -49,6 +49,7 @@ from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.dataplane.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
+from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.rl.model.forward_graphs import ForwardGraphs
 from megatron_r3.rl.model.passes import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.rl.model.replica_comm import is_replica_lead
@@ -59,6 +60,7 @@ from megatron_r3.rl.trainer.policy_loss import clipped_policy_loss_sums
 from megatron_r3.rl.trainer.routing_agreement import routing_agreement_counts
 from megatron_r3.rl.trainer.training_stack import TrainingStack
 from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
+from megatron_r3.routing_replay import host_counts_unsupported
 
 REPLAY_MODES = ("r3", "r2")
 
@@ -140,7 +142,8 @@ class PolicyTrainer:
         self.rows = rows
         self.settings = settings
         exchange = None
-        if settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay):
+        replays_rollout_routes = settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay)
+        if replays_rollout_routes and host_counts_unsupported(config) is None:
             # Host token counts for the sync-free dispatch (a collective to build: every rank builds it).
             exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                            spec.num_experts)
@@ -168,6 +171,9 @@ class PolicyTrainer:
             SampleValueError: a sample without rollout log-probs, or with values the loss cannot take.
             NonFiniteStepError: on every rank, when the loss or the gradients are not finite; the
                 optimizer has not stepped (the weights and its state are those before the call).
+            ValueError: where a forward found its routes wrong on the device (a row only partly without
+                a route, a host token count that differs from the routes: ``MoERouting.verify``), and
+                RuntimeError on the other ranks; the optimizer has not stepped, the process can save or exit.
         """
         for i, sample in enumerate(samples):
             if sample.logprobs is None:
@@ -180,6 +186,7 @@ class PolicyTrainer:
         settings = self.settings
         sums = zero_sums(len(self.spec.model_moe_layers), self.rows.device)
         old_logprobs = recorded = None
+        checked_passes = []  # passes whose routes the forwards checked on the device
         if settings.replay_mode == "r2":
             with self.timer.phase("pass/old_logprob"):
                 old_logprobs, recorded = self._old_logprob_pass(samples)
@@ -198,6 +205,7 @@ class PolicyTrainer:
             self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
             if has_routes:
                 self._add_agreement(sums, result)
+            checked_passes.append(result)
 
         self.stack.zero_grad()
         microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
@@ -205,6 +213,7 @@ class PolicyTrainer:
         # The schedule ends with finalize_model_grads: gradients reduced and divided by the tokens.
         with self.timer.phase("pass/update"):
             result = self.update.run(microbatches, old_logprobs)
+        checked_passes.append(result)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
             for out in result.outputs:
@@ -216,7 +225,12 @@ class PolicyTrainer:
             self._add_replica_counts(sums, samples, rewards)
 
         with self.timer.phase("optimizer"):
-            totals = _all_reduce(sums)
+            route_error = _route_error(checked_passes)
+            totals = _all_reduce({**sums, "route_errors": torch.tensor(
+                [float(route_error is not None)], dtype=sums["loss"].dtype, device=sums["loss"].device)})
+            if float(totals.pop("route_errors")) > 0:  # on every rank, before the optimizer steps
+                raise route_error or RuntimeError("another rank found wrong routes in this step (its error names "
+                                                  "the layer, the expert and the rank); the optimizer did not step")
             lr, grad_norm = self._optimizer_step(float(totals["loss"][0]) / max(float(totals["loss"][1]), 1.0))
         out = {name: value.cpu().numpy() for name, value in totals.items()}
         out["lr"], out["grad_norm"] = np.array([lr]), np.array([grad_norm])
@@ -312,6 +326,17 @@ class PolicyLoss:
         mismatch = logprob_mismatch_sums(logprobs.detach(), batch.rollout_logprobs, mask)
         tokens = mask.sum()
         return loss, tokens.to(torch.int), {"loss": torch.stack([loss.detach(), tokens]).double(), "mismatch": mismatch}
+
+
+def _route_error(passes: Sequence[PassResult]) -> Optional[ValueError]:
+    """What the passes' forwards found wrong in their routes on the device, or None. Reads the device
+    flags back (``PassResult.verify_routes``): the step's end, where the host waits anyway."""
+    try:
+        for result in passes:
+            result.verify_routes()
+    except ValueError as error:
+        return error
+    return None
 
 
 def _all_reduce(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

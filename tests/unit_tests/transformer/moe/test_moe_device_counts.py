@@ -1,14 +1,11 @@
 # Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
-"""The alltoall dispatcher leaves token counts on the device for experts that take them.
+"""The alltoall dispatcher leaves token counts on the device at one tp_ep rank.
 
-With one rank in the expert tensor-and-model-parallel group and dropless routing, experts
-that say ``takes_device_tokens_per_expert`` get the counts where the router made them: the
-dispatcher copies nothing to the host and waits for nothing, and the model computes what
-it computed before, forward and backward.
+With one rank in the expert tensor-and-model-parallel group and dropless routing, the
+dispatcher hands the experts the counts where the router made them, whatever the experts
+class: it copies nothing to the host and waits for nothing. Upstream's SequentialMLP reads
+them back itself, and the model computes what it computed before, forward and backward.
 """
-
-import contextlib
-from unittest import mock
 
 import pytest
 import torch
@@ -26,7 +23,7 @@ VOCAB = 64
 pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
 
 
-def _gpt(experts_take_device_counts, seed=3, **overrides):
+def _gpt(seed=3, **overrides):
     fields = dict(
         num_layers=3,
         hidden_size=32,
@@ -47,10 +44,11 @@ def _gpt(experts_take_device_counts, seed=3, **overrides):
     config = TransformerConfig(**fields)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     torch.manual_seed(seed)
-    # SequentialMLP says it takes device counts (it reads them back itself, with a sync).
-    says = mock.patch.object(SequentialMLP, "takes_device_tokens_per_expert", True, create=True)
-    with says if experts_take_device_counts else contextlib.nullcontext():
-        return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64)
+
+
+def _moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
 def _batch():
@@ -94,19 +92,21 @@ def host_copies(monkeypatch):
     return calls
 
 
-def test_the_layer_tells_its_dispatcher_what_its_experts_take(single_rank):
-    for takes in (True, False):
-        layers = [m for m in _gpt(takes).modules() if isinstance(m, MoELayer)]
-        assert len(layers) == 2
-        assert all(layer.token_dispatcher.counts_stay_on_device() == takes for layer in layers)
+def test_upstream_experts_get_the_counts_on_the_device(single_rank):
+    layers = _moe_layers(_gpt())
+    assert len(layers) == 2 and all(isinstance(m.experts, SequentialMLP) for m in layers)
+    assert all(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
 
 
-def test_device_counts_give_identical_results_without_copies(single_rank, host_copies):
-    want_loss, want_grads = _loss_and_grads(_gpt(False), _batch())
-    copies_with_host_counts = host_copies["copies"]
-    host_copies["copies"] = 0
-    loss, grads = _loss_and_grads(_gpt(True), _batch())
-    assert copies_with_host_counts > 0  # negative control: the copies this spares
+def test_device_counts_give_identical_results_without_copies(single_rank, host_copies, monkeypatch):
+    # Negative control: the dispatcher's path that copies the counts to the host and waits.
+    with monkeypatch.context() as patched:
+        patched.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "counts_stay_on_device",
+                        lambda self: False)
+        want_loss, want_grads = _loss_and_grads(_gpt(), _batch())
+    assert host_copies["copies"] > 0
+    host_copies.update(copies=0, sorts=0)
+    loss, grads = _loss_and_grads(_gpt(), _batch())
     assert host_copies == {"copies": 0, "sorts": 0}  # one rank: the sort by local expert is the identity
     assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
@@ -120,12 +120,9 @@ def test_device_counts_give_identical_results_without_copies(single_rank, host_c
 ], ids=["capacity", "pad-to-capacity"])
 def test_dropping_tokens_keeps_the_device_path_off(single_rank, option):
     """With a capacity the number of routed tokens is known only on the device."""
-    model = _gpt(True, **option)
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    assert all(layer.token_dispatcher.experts_take_device_counts for layer in layers)
-    assert not any(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
+    assert not any(layer.token_dispatcher.counts_stay_on_device() for layer in _moe_layers(_gpt(**option)))
 
 
 def test_capacity_dropping_still_reads_the_counts_back(single_rank, host_copies):
-    _loss_and_grads(_gpt(True, moe_expert_capacity_factor=1.0), _batch())
+    _loss_and_grads(_gpt(moe_expert_capacity_factor=1.0), _batch())
     assert host_copies["copies"] > 0

@@ -19,8 +19,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import router as router_module
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_routing import MoERouting
+from megatron.core.transformer.moe.moe_routing import LayerRoutes, MoERouting
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -207,18 +209,75 @@ class TestMoERoutingRouter:
         want = torch.bincount(ids[0].flatten(), minlength=NUM_EXPERTS).float()
         assert torch.equal(router.local_tokens_per_expert, want)
 
-    def test_aux_loss_balances_the_replayed_routes(self):
+    def test_complete_routes_take_upstreams_precomputed_indices_path(self, monkeypatch):
+        router = self._router(moe_router_pre_softmax=True)
+        hidden = torch.randn(6, 3, HIDDEN)
+        ids = random_routes(1, 18, seed=9)
+        calls = []
+        upstream = router_module.topk_routing_with_score_function
+
+        def spy(*args, **kwargs):
+            calls.append(kwargs)
+            return upstream(*args, **kwargs)
+
+        monkeypatch.setattr(router_module, "topk_routing_with_score_function", spy)
+        monkeypatch.setattr(
+            LayerRoutes, "get_replay_topk", lambda *a, **k: pytest.fail("the hook ran")
+        )
+        _, routing_map = router(
+            hidden, moe_routing=MoERouting([self.LAYER], expert_ids=ids, every_token_routed=True)
+        )
+        assert calls[0]["router_replay"] is None
+        assert torch.equal(calls[0]["precomputed_indices"], ids[0])
+        assert torch.equal(routing_map, as_routing_map(ids[0]))
+
+    def test_a_partly_filled_row_is_routed_live_and_refused_by_verify(self):
+        router = self._router()
+        hidden = torch.randn(6, 3, HIDDEN)
+        _, live_map = router(hidden)
+        ids = random_routes(1, 18, seed=7)
+        ids[0, 2] = -1  # no route: fine
+        ids[0, 5, 1] = -1  # partly filled: an error
+        routing = MoERouting([self.LAYER], expert_ids=ids)
+
+        _, routing_map = router(hidden, moe_routing=routing)
+
+        assert torch.equal(routing_map[[2, 5]], live_map[[2, 5]])  # never gathered at -1
+        with pytest.raises(ValueError, match="token 5 .*MoE layer 2 is \\[\\d+, -1\\]"):
+            routing.verify()
+        ids[0, 5, 1] = (ids[0, 5, 0] + 1) % NUM_EXPERTS
+        whole_rows_only = MoERouting([self.LAYER], expert_ids=ids)
+        router(hidden, moe_routing=whole_rows_only)
+        whole_rows_only.verify()
+
+    def test_the_aux_loss_means_the_same_under_both_replay_sources(self):
+        """The aux loss balances the router's own top-k of its scores, replayed or not."""
         router = self._router(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
         router.train()
         hidden = torch.randn(6, 3, HIDDEN)
         ids = torch.tensor([6, 7]).expand(1, 18, TOPK).contiguous()  # maximally unbalanced
-        moe_utils.clear_aux_losses_tracker()
-        router(hidden, moe_routing=MoERouting([self.LAYER], expert_ids=ids))
-        got = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+
+        def aux_loss(**kwargs):
+            tracker = get_moe_metrics_tracker()
+            tracker.clear()
+            router(hidden, **kwargs)
+            return tracker.metrics["load_balancing_loss"].values[self.LAYER - 1].clone()
+
+        live = aux_loss()
+        per_microbatch = aux_loss(moe_routing=MoERouting([self.LAYER], expert_ids=ids))
+        router.router_replay.set_target_indices(ids[0])
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            global_replay = aux_loss()
+        finally:
+            router.router_replay.clear_router_replay_action()
+
         logits = torch.nn.functional.linear(hidden.view(-1, HIDDEN), router.weight.detach())
-        counts = torch.bincount(ids[0].flatten(), minlength=NUM_EXPERTS).float()
-        want = NUM_EXPERTS * (counts / (18 * TOPK) * torch.softmax(logits, -1).mean(0)).sum()
-        torch.testing.assert_close(got[self.LAYER - 1], want, rtol=1e-5, atol=1e-6)
+        scores = torch.softmax(logits, -1)
+        own = torch.bincount(scores.topk(TOPK).indices.flatten(), minlength=NUM_EXPERTS).float()
+        want = NUM_EXPERTS * (own / (18 * TOPK) * scores.mean(0)).sum()
+        torch.testing.assert_close(live, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(per_microbatch, live) and torch.equal(global_replay, live)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("every_token_routed", [True, False])
@@ -241,6 +300,18 @@ class TestMoERoutingRouter:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+    @pytest.mark.gpu
+    def test_a_partly_filled_row_on_the_gpu_is_reported_without_a_device_assert(self):
+        router = self._router()
+        ids = random_routes(1, 18, seed=4).cuda()
+        ids[0, 5, 1] = -1
+        routing = MoERouting([self.LAYER], expert_ids=ids)
+        probs, _ = router(torch.randn(6, 3, HIDDEN, device="cuda"), moe_routing=routing)
+        with pytest.raises(ValueError, match="token 5 .*MoE layer 2"):
+            routing.verify()
+        torch.cuda.synchronize()  # the CUDA context is intact: the process can save or exit
+        assert torch.isfinite(probs).all()
 
     def test_a_router_replay_action_and_a_moe_routing_are_exclusive(self):
         router = self._router()
@@ -634,7 +705,7 @@ class TestReplayUnderRouterFusion:
 
 
 class TestMoERoutingRecording:
-    """moe: MoERouting records the routes taken (R2)."""
+    """moe: MoERouting records the routes taken (R2) and keeps the live top-k on request."""
 
     def setup_method(self, method):
         Utils.initialize_model_parallel(1, 1)
@@ -676,6 +747,23 @@ class TestMoERoutingRecording:
         for row, layer in enumerate(MOE_LAYERS):
             assert torch.equal(seen[layer][1], as_routing_map(recorded[row]))
 
+    @pytest.mark.parametrize("kwargs", [dict(record=True), dict(keep_live_routes=True)])
+    def test_a_recording_routing_serves_one_forward(self, kwargs):
+        model = _gpt(_config())
+        batch = make_batch()
+        routing = _forced(batch[0], seed=4, no_route_every=3, **kwargs)
+        run_model(model, batch, routing)
+        with pytest.raises(RuntimeError, match="has served a forward already"):
+            run_model(model, batch, routing)
+
+    def test_a_replay_only_routing_may_serve_again(self):
+        model = _gpt(_config())
+        batch = make_batch()
+        routing = _forced(batch[0], seed=4, no_route_every=3)
+        first, _ = run_model(model, batch, routing, backward=False)
+        again, _ = run_model(model, batch, routing, backward=False)
+        assert torch.equal(first, again)
+
     def test_nothing_is_recorded_unless_asked(self):
         model = _gpt(_config())
         batch = make_batch()
@@ -686,7 +774,8 @@ class TestMoERoutingRecording:
 
 
 class TestMoERoutingLiveRoutes:
-    """moe: MoERouting keeps the live top-k on request, for routing agreement."""
+    """moe: MoERouting records the routes taken (R2) and keeps the live top-k on request:
+    the live top-k, for routing agreement."""
 
     def setup_method(self, method):
         Utils.initialize_model_parallel(1, 1)
@@ -800,7 +889,7 @@ class TestHostTokensPerExpert:
         for name, grad in grads.items():
             assert torch.equal(grad, want_grads[name]), name
 
-    def test_counts_wrong_per_expert_but_right_in_sum_are_caught(self):
+    def test_counts_wrong_per_expert_are_reported_by_verify_naming_layer_expert_rank(self):
         def swapped(counts):
             counts = counts.clone()
             column = counts[0, 1]
@@ -809,11 +898,23 @@ class TestHostTokensPerExpert:
             return counts
 
         batch = make_batch()
-        with pytest.raises(RuntimeError, match="host_tokens_per_expert differs"):
-            run_model(_gpt(_config()), batch, self._routing(batch, swapped), backward=False)
-        # Negative control: with the check off the step runs, on wrong split sizes.
-        model = _gpt(_config(moe_check_host_tokens_per_expert=False))
-        run_model(model, batch, self._routing(batch, swapped), backward=False)
+        routing = self._routing(batch, swapped)
+        column = routing.host_tokens_per_expert[0, 1]
+        expert = int((column != self._counts(routing.expert_ids)[0, 1]).nonzero()[0])
+        model = _gpt(_config())
+        run_model(model, batch, routing)  # no device-side assert: the pass runs to its end
+        with pytest.raises(
+            ValueError, match=f"wrong at MoE layer 3, expert {expert}, tp_ep rank 0: the routes"
+        ):
+            routing.verify()
+        # The process goes on: the next microbatch, with right counts, runs and verifies.
+        good = self._routing(batch)
+        run_model(model, batch, good)
+        good.verify()
+        # Negative control: with the check off nothing is kept, so nothing is reported.
+        unchecked = self._routing(batch, swapped)
+        run_model(_gpt(_config(moe_check_host_tokens_per_expert=False)), batch, unchecked)
+        unchecked.verify()
 
     def test_counts_wrong_in_sum_are_refused_on_the_host(self):
         batch = make_batch()
@@ -823,7 +924,9 @@ class TestHostTokensPerExpert:
             counts[0, 0, 0] += 1
             return counts
 
-        with pytest.raises(ValueError, match="counts 65 routed tokens for this rank"):
+        with pytest.raises(
+            ValueError, match="counts 65 routed tokens for MoE layer 2 on tp_ep rank 0"
+        ):
             run_model(_gpt(_config()), batch, self._routing(batch, one_more), backward=False)
 
     def test_host_counts_need_routes_for_every_token(self):
@@ -833,14 +936,39 @@ class TestHostTokensPerExpert:
         with pytest.raises(ValueError, match="needs routes for every token"):
             run_model(_gpt(_config()), batch, routing, backward=False)
 
-    def test_the_allgather_dispatcher_ignores_host_counts(self):
+    @pytest.mark.parametrize(
+        "option, reason",
+        [
+            (dict(moe_token_dispatcher_type="allgather"), "only 'alltoall'"),
+            (dict(moe_permute_fusion=True), "moe_permute_fusion changes"),
+        ],
+        ids=["allgather", "permute_fusion"],
+    )
+    def test_configurations_without_host_counts_refuse_them(self, option, reason):
         batch = make_batch()
-        config = _config(moe_token_dispatcher_type="allgather")
-        want, _ = run_model(
-            _gpt(config), batch, _forced(batch[0], seed=17, every_token_routed=True), False
+        model = _gpt(_config())
+        for name, value in option.items():
+            # Set after the build (the fused permutation needs TransformerEngine to be built):
+            # the check before any layer runs reads the model's config.
+            setattr(model.config, name, value)
+        with pytest.raises(ValueError, match=f"host_tokens_per_expert cannot be used: .*{reason}"):
+            run_model(model, batch, self._routing(batch), backward=False)
+
+    def test_the_dispatch_takes_the_counts_as_an_argument(self):
+        config = _config()
+        dispatcher = MoEAlltoAllTokenDispatcher(
+            NUM_EXPERTS, list(range(NUM_EXPERTS)), config, moe_utils.get_default_pg_collection()
         )
-        got, _ = run_model(_gpt(config), batch, self._routing(batch), backward=False)
-        assert torch.equal(got, want)
+        ids = random_routes(1, 12, seed=2)[0]
+        routing_map = as_routing_map(ids)
+        probs = routing_map.float() / TOPK
+        counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)[None]
+        hidden = torch.randn(12, HIDDEN)
+
+        dispatcher.dispatch_preprocess(hidden, routing_map, probs, host_tokens_per_expert=counts)
+        assert dispatcher.counts_on_host and torch.equal(dispatcher.tokens_per_expert, counts[0])
+        dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+        assert not dispatcher.counts_on_host  # nothing carried over from the previous dispatch
 
 
 class TestRouterReplayOnThePatchedTree:
