@@ -94,7 +94,7 @@ def test_dump_training_runs_and_learns_under_layouts(tmp_path, layout):
 def wrong_counts_worker(argv):
     """``train_worker`` with rank 0's host token counts of its first MoE layer swapped at two experts:
     right in sum (the dispatch runs), wrong per expert."""
-    from megatron_r3.dataplane.expert_counts import ExpertCountExchange
+    from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 
     gather = ExpertCountExchange.gather
 

@@ -106,7 +106,7 @@ BSHD_LAYOUTS = {
     "cp2-a2a": (Layout(cp=2), ("--cp-comm-type", "a2a")),
     "tp2-sp-recompute-selective": (Layout(tp=2, sp=True, recompute="selective"), ()),
     "tp2-sp-ep2-etp1": (Layout(tp=2, sp=True, ep=2, etp=1, dp=1), ()),
-    # TE's fusions: replayed tokens take the unfused top-k under --moe-router-fusion (patch 0027), and
+    # TE's fusions: replayed tokens take the unfused top-k under --moe-router-fusion (the series' router-fusion patch), and
     # the fused permutation moves the replayed routes' tokens.
     "ep2-router-fusion": (Layout(ep=2, dp=2, dispatcher="alltoall"), ("--moe-router-fusion",)),
     "ep2-permute-fusion": (Layout(ep=2, dp=2, dispatcher="alltoall"), ("--moe-permute-fusion",)),

@@ -226,8 +226,8 @@ def _sync_worker(grouped, forward_only, bf16):
 @pytest.mark.gpu
 @pytest.mark.parametrize("forward_only", [True, False], ids=["forward", "forward-backward"])
 def test_live_routing_through_grouped_experts_does_not_sync_the_device(forward_only):
-    """One rank holds every expert: the dispatcher leaves the counts on the device (patch 0036), and the
-    bf16 grouped GEMMs read them there."""
+    """One rank holds every expert: the dispatcher leaves the counts on the device (the series' dispatcher
+    patch), and the bf16 grouped GEMMs read them there."""
     assert run_workers(_sync_worker, 1, True, forward_only, True, backend="nccl") == [{"sync_debug": 0, "waits": 0}]
     # Negative controls: SequentialMLP splits on host counts, and so do fp32 experts on a GPU; the dispatcher
     # or the experts read them back (tolist), once per MoE layer.

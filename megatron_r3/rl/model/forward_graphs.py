@@ -13,11 +13,11 @@ A capture holds only while the forward reads nothing back to the host and takes 
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs that read them there (patch 0035,
-  ``GroupedGemmExperts`` in bf16);
+  expert and the experts are grouped GEMMs that read them there (the series' patch "moe: the alltoall dispatcher leaves token counts on
+  the device"; ``GroupedGemmExperts`` in bf16);
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
-  does RoPE's token gather (patches 0024 and 0033);
+  does RoPE's token gather (the series' rope patches);
 * RoPE's table length is ``max_seqlen``, a host int: the graph is captured with one more
   than the row length, a bound of every sample's length that gives every position the
   same angles. (Not the row length itself: a table exactly as long as the packed row is
