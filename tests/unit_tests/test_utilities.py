@@ -28,7 +28,7 @@ class Utils:
         virtual_pipeline_model_parallel_size=None,
         **kwargs,
     ):
-        parallel_state.destroy_model_parallel()
+        Utils._destroy_groups()
         Utils.initialize_distributed()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size,
@@ -40,5 +40,17 @@ class Utils:
 
     @staticmethod
     def destroy_model_parallel():
-        parallel_state.destroy_model_parallel()
+        Utils._destroy_groups()
         torch.manual_seed(0)
+
+    @staticmethod
+    def _destroy_groups():
+        """Megatron's parallel state, then the world of one with every group made in it.
+
+        ``initialize_model_parallel`` makes some twenty gloo groups, each with threads of its own;
+        ``destroy_model_parallel`` only forgets them. Destroying the default group frees them all,
+        so tests in one process do not pile up thousands of polling threads.
+        """
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
