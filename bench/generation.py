@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import parse_args, task_of
+from megatron_r3.rl.arguments import model_settings, parse_args, task_of
 from megatron_r3.rl.initialize import initialize
 from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
@@ -61,8 +61,9 @@ def main(argv=None) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
     run_args = parse_args([*(SMALL if args.small else []), *launcher_flags, "--rollout-engine", "local"])
     device = initialize(run_args)
-    config = transformer_config(run_args, device)
-    policy = build_model(run_args, config, device)
+    model = model_settings(run_args)
+    config = transformer_config(model, device)
+    policy = build_model(model, config, device)
     spec = RoutingSpec.from_config(config)
     rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, run_args.seq_length,
                      run_args.micro_batch_size, device)
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
             skipped[name] = problem
             continue
         run_args.rollout_engine = name
-        engines[name] = build_rollout_engine(run_args, device, policy, spec, rows, samples)
+        engines[name] = build_rollout_engine(run_args, model, device, policy, spec, rows, samples)
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
         for name, engine in engines.items():

@@ -3,11 +3,16 @@
 :func:`parse_args` parses them and refuses what does not fit together, one line per
 problem (exit status 2); :func:`complete_args` fills the defaults that follow from other
 flags (the task's vocabulary and lengths, ``--micro-batch-size``, ``--seq-length``).
+
+The parsed namespace stops here: the functions at the end turn it into the settings
+dataclasses the packages below take (:class:`~megatron_r3.rl.model.factory.ModelSettings`
+and the others, each beside the code that reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Optional
 
@@ -16,12 +21,13 @@ import torch.distributed as dist
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
 from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
+from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
 from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
 from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
 from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
-from megatron_r3.routing_replay import add_routing_replay_args
+from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
@@ -321,3 +327,75 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"samples of up to {longest} tokens (the task's longest prompt + --max-new-tokens "
                          f"{args.max_new_tokens}), padded to multiples of {alignment}: it needs {needed}")
     return args
+
+
+def routers_take_moe_routing(args: argparse.Namespace) -> bool:
+    """Whether the policy's routers take a per-microbatch ``MoERouting`` (``moe_enable_routing_replay``).
+
+    ``--moe-enable-routing-replay`` trains on replayed routes, so its update passes (and R2's
+    old-log-prob pass) need them. ``--r3-compare`` needs them too, for its extra pass in the
+    other routing mode: training live, that pass replays the rollout's routes; training with
+    replay, it records the routes the routers choose. Routers built so route live in a pass
+    that gives them no routes, so a live update pass is unchanged by it.
+    """
+    return args.moe_enable_routing_replay or args.r3_compare
+
+
+def routing_replay_settings(args: argparse.Namespace) -> RoutingReplaySettings:
+    """The flags of :func:`~megatron_r3.routing_replay.add_routing_replay_args`: routers that take a
+    ``MoERouting`` exactly under ``--moe-enable-routing-replay`` (the launcher's policy also under
+    ``--r3-compare``: :func:`model_settings`)."""
+    return RoutingReplaySettings(enabled=args.moe_enable_routing_replay,
+                                 check_values=args.moe_routing_replay_check_values,
+                                 check_host_tokens_per_expert=args.moe_check_host_tokens_per_expert)
+
+
+def parallel_settings(args: argparse.Namespace) -> ParallelSettings:
+    """The parallel sizes the flags give (virtual stages derived from ``--hybrid-layer-pattern``)."""
+    return ParallelSettings(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+
+
+def model_settings(args: argparse.Namespace) -> ModelSettings:
+    """The policy's model as the completed flags (:func:`parse_args`, :func:`complete_args`) describe it."""
+    freq = layer_freq(args)
+    return ModelSettings(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_grouped_gemm_impl=args.moe_grouped_gemm_impl,
+        transformer_impl=args.transformer_impl,
+        cp_comm_type=args.cp_comm_type,
+        moe_permute_fusion=args.moe_permute_fusion,
+        moe_router_fusion=args.moe_router_fusion,
+        swiglu=args.swiglu,
+        normalization=args.normalization,
+        init_method_std=args.init_method_std,
+        add_bias_linear=args.add_bias_linear,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        bf16=args.bf16,
+        parallel=parallel_settings(args),
+        recompute=RecomputeSettings(granularity=args.recompute_granularity, method=args.recompute_method,
+                                    num_layers=args.recompute_num_layers),
+        routing_replay=dataclasses.replace(routing_replay_settings(args), enabled=routers_take_moe_routing(args)),
+    )

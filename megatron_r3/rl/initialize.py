@@ -14,25 +14,26 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_r3.rl.arguments import virtual_pipeline_stages
+from megatron_r3.rl.arguments import parallel_settings
+from megatron_r3.rl.model.factory import ParallelSettings
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
 
-def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups: bool = True) -> None:
-    """Megatron's parallel state for the flags, on an initialised default process group.
+def init_model_parallel(parallel: ParallelSettings, *, create_gloo_process_groups: bool = True) -> None:
+    """Megatron's parallel state for ``parallel``'s sizes, on an initialised default process group.
 
     Args:
-        args: The flags; only the parallel sizes are read.
+        parallel: The parallel sizes.
         create_gloo_process_groups: Also build Megatron's gloo copies of its process groups
             (Megatron-LM's default).
     """
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         create_gloo_process_groups=create_gloo_process_groups,
     )
 
@@ -80,7 +81,7 @@ def initialize(args: argparse.Namespace) -> torch.device:
     problems = world_problems(args, dist.get_world_size())
     if problems:
         raise RunCheckError("; ".join(problems))
-    init_model_parallel(args)
+    init_model_parallel(parallel_settings(args))
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     return device

@@ -22,7 +22,7 @@ from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args, task_of
+from megatron_r3.rl.arguments import complete_args, model_settings, task_of
 from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
@@ -81,8 +81,9 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     per_rank = global_batch // dp_size  # whole microbatches and groups: run_checks.world_problems
     source = DumpRollouts(args, global_batch, log) if args.rollout_dump is not None else None
     try:
-        config = transformer_config(args, device)
-        chunks = build_model(args, config, device)
+        model = model_settings(args)
+        config = transformer_config(model, device)
+        chunks = build_model(model, config, device)
         spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
                          args.micro_batch_size, device, args.hybrid_layer_pattern)
@@ -96,7 +97,7 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     if source is not None:
         return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
-    engine = build_rollout_engine(args, device, chunks, spec, rows, per_rank)
+    engine = build_rollout_engine(args, model, device, chunks, spec, rows, per_rank)
     return TrainingRun(args, trainer, EmbeddedRollouts(args, task_of(args), engine, per_rank), engine)
 
 

@@ -16,7 +16,7 @@ import torch
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
-from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.model.factory import ModelSettings, build_model, transformer_config
 from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout.tasks import EOS
 
@@ -40,7 +40,7 @@ def resolve_rollout_engine(args: argparse.Namespace, device: torch.device) -> st
     return "local"
 
 
-def build_rollout_engine(args: argparse.Namespace, device: torch.device, policy: list, spec: RoutingSpec,
+def build_rollout_engine(args: argparse.Namespace, model: ModelSettings, device: torch.device, policy: list, spec: RoutingSpec,
                          rows: RowLayout, per_rank: int) -> Union[RolloutEngine, MegatronRolloutEngine]:
     """The engine ``--rollout-engine`` names, trailing ``policy``'s weights by ``--rollout-staleness`` steps.
 
@@ -49,9 +49,9 @@ def build_rollout_engine(args: argparse.Namespace, device: torch.device, policy:
     """
     sampling = SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed)
     if resolve_rollout_engine(args, device) == "local":
-        config = transformer_config(args, device, rollout_engine=True)
-        return RolloutEngine(lambda: build_model(args, config, device), policy, spec, rows, sampling,
+        config = transformer_config(model, device, rollout_engine=True)
+        return RolloutEngine(lambda: build_model(model, config, device), policy, spec, rows, sampling,
                              args.rollout_staleness, cuda_graphs=args.rollout_cuda_graphs)
-    config = transformer_config(args, device, rollout_engine=True)
-    return MegatronRolloutEngine(lambda: build_model(args, config, device), policy, spec, sampling,
+    config = transformer_config(model, device, rollout_engine=True)
+    return MegatronRolloutEngine(lambda: build_model(model, config, device), policy, spec, sampling,
                                  args.rollout_staleness, max_requests=per_rank, max_sequence_length=args.seq_length)
