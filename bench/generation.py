@@ -20,6 +20,7 @@ Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
@@ -34,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import model_settings, parse_args, task_of
+from megatron_r3.rl.arguments import model_settings, parse_args, rollout_engine_settings, task_of
 from megatron_r3.rl.initialize import initialize
 from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
@@ -74,12 +75,12 @@ def main(argv=None) -> None:
 
     engines, skipped = {}, {}
     for name in ROLLOUT_ENGINES:
-        problem = megatron_engine_problem(run_args, device) if name == "megatron" else None
+        problem = megatron_engine_problem(model, device) if name == "megatron" else None
         if problem is not None:
             skipped[name] = problem
             continue
-        run_args.rollout_engine = name
-        engines[name] = build_rollout_engine(run_args, model, device, policy, spec, rows, samples)
+        settings = dataclasses.replace(rollout_engine_settings(run_args), requested=name)
+        engines[name] = build_rollout_engine(settings, model, device, policy, spec, rows, samples)
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
         for name, engine in engines.items():

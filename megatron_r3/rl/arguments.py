@@ -19,11 +19,14 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
-from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
 from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
-from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
+from megatron_r3.rl.rollout.engine import SamplingParams
+from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
+from megatron_r3.rl.rollout.sources import RolloutSettings
+from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
 from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
 from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
@@ -252,14 +255,6 @@ def virtual_pipeline_stages(args: argparse.Namespace) -> Optional[int]:
     return hybrid_virtual_stages(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
 
 
-def moe_layers_of(args: argparse.Namespace) -> tuple[int, ...]:
-    """The model's MoE layers (global 1-based numbers): a HybridModel's ``E`` layers, or a GPTModel's
-    from ``--moe-layer-freq``."""
-    if args.hybrid_layer_pattern is not None:
-        return hybrid_moe_layers(args.hybrid_layer_pattern)
-    return model_moe_layers(args.num_layers, layer_freq(args))
-
-
 def task_of(args: argparse.Namespace) -> SymbolTask:
     """The built-in task the flags describe."""
     return SymbolTask(args.task, args.task_num_symbols, args.task_min_symbols, args.task_max_symbols)
@@ -398,4 +393,27 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         recompute=RecomputeSettings(granularity=args.recompute_granularity, method=args.recompute_method,
                                     num_layers=args.recompute_num_layers),
         routing_replay=dataclasses.replace(routing_replay_settings(args), enabled=routers_take_moe_routing(args)),
+    )
+
+
+def rollout_engine_settings(args: argparse.Namespace) -> RolloutEngineSettings:
+    """The rollout engine the completed flags ask for (``--rollout-engine``, its sampling and lag)."""
+    return RolloutEngineSettings(
+        requested=args.rollout_engine,
+        sampling=SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
+        staleness=args.rollout_staleness,
+        cuda_graphs=args.rollout_cuda_graphs,
+    )
+
+
+def rollout_settings(args: argparse.Namespace) -> RolloutSettings:
+    """Where the completed flags take the samples from: the built-in task and engine, or ``--rollout-dump``."""
+    embedded = args.rollout_dump is None
+    return RolloutSettings(
+        group_size=args.rollouts_per_prompt,
+        seed=args.seed,
+        task=task_of(args) if embedded else None,
+        engine=rollout_engine_settings(args) if embedded else None,
+        dump=args.rollout_dump,
+        allow_truncated_dump=args.allow_truncated_rollout_dump,
     )

@@ -22,7 +22,7 @@ from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args, model_settings, task_of
+from megatron_r3.rl.arguments import complete_args, model_settings, rollout_settings
 from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
@@ -79,9 +79,9 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     dp_size = parallel_state.get_data_parallel_world_size()
     global_batch = args.global_batch_size or args.micro_batch_size * dp_size
     per_rank = global_batch // dp_size  # whole microbatches and groups: run_checks.world_problems
-    source = DumpRollouts(args, global_batch, log) if args.rollout_dump is not None else None
+    model, rollouts = model_settings(args), rollout_settings(args)
+    source = None if rollouts.dump is None else DumpRollouts(rollouts, model, args.seq_length, global_batch, log)
     try:
-        model = model_settings(args)
         config = transformer_config(model, device)
         chunks = build_model(model, config, device)
         spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
@@ -97,8 +97,8 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
     if source is not None:
         return TrainingRun(args, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
-    engine = build_rollout_engine(args, model, device, chunks, spec, rows, per_rank)
-    return TrainingRun(args, trainer, EmbeddedRollouts(args, task_of(args), engine, per_rank), engine)
+    engine = build_rollout_engine(rollouts.engine, model, device, chunks, spec, rows, per_rank)
+    return TrainingRun(args, trainer, EmbeddedRollouts(rollouts, engine, per_rank), engine)
 
 
 def check_outputs(
@@ -293,7 +293,7 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         resume(run, checkpoint, rank_log)
         check_save_space(run)
         if isinstance(run.source, DumpRollouts):
-            run.source.check_microbatches(run.args, run.iteration, run.trainer.rows.rank.alignment)
+            run.source.check_microbatches(run.trainer.rows, run.iteration, run.args.train_iters)
         return run_iterations(run, log, metrics_mode)
     finally:
         run.source.close()
