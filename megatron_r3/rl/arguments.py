@@ -22,14 +22,18 @@ from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
 from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
-from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
+from megatron_r3.rl.profiling.profiler import ProfilingSettings, add_profiling_args, profiling_problems
 from megatron_r3.rl.rollout.engine import SamplingParams
 from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
 from megatron_r3.rl.rollout.sources import RolloutSettings
 from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
-from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
-from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
+from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES, PolicyUpdateSettings
+from megatron_r3.rl.trainer.training_stack import (
+    TrainingStackSettings,
+    add_training_stack_args,
+    training_stack_problems,
+)
 from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
@@ -236,7 +240,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except ValueError as error:
             problems = [str(error)]
         else:
-            problems = relation_problems(args) + training_stack_problems(args) + profiling_problems(args)
+            problems = (relation_problems(args) + training_stack_problems(training_stack_settings(args))
+                        + profiling_problems(profiling_settings(args)))
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
@@ -417,3 +422,31 @@ def rollout_settings(args: argparse.Namespace) -> RolloutSettings:
         dump=args.rollout_dump,
         allow_truncated_dump=args.allow_truncated_rollout_dump,
     )
+
+
+def policy_update_settings(args: argparse.Namespace) -> PolicyUpdateSettings:
+    """How the trainer routes and what it optimises (``--routing-replay-mode``, ``--r3-compare``, ...)."""
+    return PolicyUpdateSettings(replay_mode=args.routing_replay_mode, compare=args.r3_compare,
+                                clip_ratio=args.clip_ratio, temperature=args.rollout_temperature,
+                                filler_routes=args.filler_routes, cuda_graphs=args.trainer_cuda_graphs)
+
+
+def training_stack_settings(args: argparse.Namespace) -> TrainingStackSettings:
+    """The flags of :func:`~megatron_r3.rl.trainer.training_stack.add_training_stack_args`; the decay by
+    default takes ``--train-iters``, as in Megatron-LM."""
+    return TrainingStackSettings(
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters,
+        lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+        ddp_bucket_size=args.ddp_bucket_size, override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+    )
+
+
+def profiling_settings(args: argparse.Namespace) -> ProfilingSettings:
+    """The flags of :func:`~megatron_r3.rl.profiling.profiler.add_profiling_args`."""
+    return ProfilingSettings(enabled=args.profile, step_start=args.profile_step_start,
+                             step_end=args.profile_step_end, ranks=tuple(args.profile_ranks),
+                             use_pytorch_profiler=args.use_pytorch_profiler, trace_dir=args.tensorboard_dir)

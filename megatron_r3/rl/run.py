@@ -22,7 +22,14 @@ from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args, model_settings, rollout_settings
+from megatron_r3.rl.arguments import (
+    complete_args,
+    model_settings,
+    policy_update_settings,
+    profiling_settings,
+    rollout_settings,
+    training_stack_settings,
+)
 from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
@@ -44,7 +51,7 @@ from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
-from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer
 from megatron_r3.rl.trainer.training_stack import build_training_stack
 
 
@@ -87,8 +94,8 @@ def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
                          args.micro_batch_size, device, args.hybrid_layer_pattern)
-        stack = build_training_stack(chunks, config, args)
-        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings.from_args(args),
+        stack = build_training_stack(chunks, config, training_stack_settings(args))
+        trainer = PolicyTrainer(stack, config, spec, rows, policy_update_settings(args),
                                 PhaseTimer(device, args.count_host_syncs))
     except BaseException:
         if source is not None:
@@ -232,7 +239,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
                                drop_cut_line=args.drop_cut_metrics_line)
     if logging_rank and args.metrics_file is not None:
         note_metrics_file(args.metrics_file)
-    profiler = IterationProfiler(args, dist.get_rank(), log)
+    profiler = IterationProfiler(profiling_settings(args), dist.get_rank(), log)
     history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:

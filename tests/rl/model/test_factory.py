@@ -5,10 +5,16 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.rl.arguments import model_settings, parallel_settings, parse_args, routers_take_moe_routing
+from megatron_r3.rl.arguments import (
+    model_settings,
+    parallel_settings,
+    parse_args,
+    policy_update_settings,
+    routers_take_moe_routing,
+)
 from megatron_r3.rl.initialize import init_model_parallel
 from megatron_r3.rl.model.factory import build_model, transformer_config
-from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
 
@@ -34,7 +40,7 @@ def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes):
     config = transformer_config(model, CPU)
     assert config.moe_enable_routing_replay is takes
     # The trainer's passes agree with the model: it refuses only a model built without the field.
-    settings = PolicyUpdateSettings.from_args(args)
+    settings = policy_update_settings(args)
     assert settings.routers_take_moe_routing is takes
     if takes:
         live_only = transformer_config(model_settings(parse_args(DUMP)), CPU)
