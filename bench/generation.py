@@ -35,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import model_settings, parse_args, rollout_engine_settings, task_of
+from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
 from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
@@ -61,8 +61,9 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:  # one rank, as a plain `python -m bench.generation`
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
     run_args = parse_args([*(SMALL if args.small else []), *launcher_flags, "--rollout-engine", "local"])
-    device = initialize(run_args)
-    model = model_settings(run_args)
+    settings = run_settings(run_args)
+    device = initialize(settings)
+    model = settings.model
     config = transformer_config(model, device)
     policy = build_model(model, config, device)
     spec = RoutingSpec.from_config(config)
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
                      run_args.micro_batch_size, device)
     samples = run_args.global_batch_size
     group = run_args.rollouts_per_prompt
-    prompts = [p.token_ids for p in task_of(run_args).prompts(run_args.seed, 1, range(samples // group))
+    prompts = [p.token_ids for p in settings.rollouts.task.prompts(run_args.seed, 1, range(samples // group))
                for _ in range(group)]
 
     engines, skipped = {}, {}
@@ -79,8 +80,8 @@ def main(argv=None) -> None:
         if problem is not None:
             skipped[name] = problem
             continue
-        settings = dataclasses.replace(rollout_engine_settings(run_args), requested=name)
-        engines[name] = build_rollout_engine(settings, model, device, policy, spec, rows, samples)
+        engine = dataclasses.replace(settings.rollouts.engine, requested=name)
+        engines[name] = build_rollout_engine(engine, model, device, policy, spec, rows, samples)
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
         for name, engine in engines.items():

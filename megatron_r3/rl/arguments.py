@@ -27,6 +27,7 @@ from megatron_r3.rl.rollout.engine import SamplingParams
 from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
 from megatron_r3.rl.rollout.sources import RolloutSettings
 from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
+from megatron_r3.rl.run import CheckpointSettings, LoggingSettings, RunSettings
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
 from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES, PolicyUpdateSettings
 from megatron_r3.rl.trainer.training_stack import (
@@ -450,3 +451,29 @@ def profiling_settings(args: argparse.Namespace) -> ProfilingSettings:
     return ProfilingSettings(enabled=args.profile, step_start=args.profile_step_start,
                              step_end=args.profile_step_end, ranks=tuple(args.profile_ranks),
                              use_pytorch_profiler=args.use_pytorch_profiler, trace_dir=args.tensorboard_dir)
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """Everything a launcher run is built from, from its flags (completed first: :func:`complete_args`)."""
+    args = complete_args(args)
+    return RunSettings(
+        model=model_settings(args),
+        rollouts=rollout_settings(args),
+        update=policy_update_settings(args),
+        training_stack=training_stack_settings(args),
+        profiling=profiling_settings(args),
+        checkpoints=CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
+                                       load_optional=args.load_optional),
+        logging=LoggingSettings(interval=args.log_interval, phase_times=args.timing_log_level >= 1,
+                                count_host_syncs=args.count_host_syncs, metrics_file=args.metrics_file,
+                                append_metrics_file=args.append_metrics_file,
+                                overwrite_metrics_file=args.overwrite_metrics_file,
+                                drop_cut_metrics_line=args.drop_cut_metrics_line),
+        train_iters=args.train_iters,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        distributed_backend=args.distributed_backend,
+        flags=dict(vars(args)),
+    )
