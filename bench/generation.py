@@ -20,6 +20,7 @@ Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
@@ -34,7 +35,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import parse_args, task_of
+from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
 from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
@@ -60,25 +61,27 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:  # one rank, as a plain `python -m bench.generation`
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
     run_args = parse_args([*(SMALL if args.small else []), *launcher_flags, "--rollout-engine", "local"])
-    device = initialize(run_args)
-    config = transformer_config(run_args, device)
-    policy = build_model(run_args, config, device)
+    settings = run_settings(run_args)
+    device = initialize(settings)
+    model = settings.model
+    config = transformer_config(model, device)
+    policy = build_model(model, config, device)
     spec = RoutingSpec.from_config(config)
     rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, run_args.seq_length,
                      run_args.micro_batch_size, device)
     samples = run_args.global_batch_size
     group = run_args.rollouts_per_prompt
-    prompts = [p.token_ids for p in task_of(run_args).prompts(run_args.seed, 1, range(samples // group))
+    prompts = [p.token_ids for p in settings.rollouts.task.prompts(run_args.seed, 1, range(samples // group))
                for _ in range(group)]
 
     engines, skipped = {}, {}
     for name in ROLLOUT_ENGINES:
-        problem = megatron_engine_problem(run_args, device) if name == "megatron" else None
+        problem = megatron_engine_problem(model, device) if name == "megatron" else None
         if problem is not None:
             skipped[name] = problem
             continue
-        run_args.rollout_engine = name
-        engines[name] = build_rollout_engine(run_args, device, policy, spec, rows, samples)
+        engine = dataclasses.replace(settings.rollouts.engine, requested=name)
+        engines[name] = build_rollout_engine(engine, model, device, policy, spec, rows, samples)
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
         for name, engine in engines.items():

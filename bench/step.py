@@ -146,8 +146,9 @@ def build_model(args, device):
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
         *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])
-    config = model_factory.transformer_config(flags, device)
-    (model,) = model_factory.build_model(flags, config, device)
+    settings = arguments.model_settings(flags)
+    config = model_factory.transformer_config(settings, device)
+    (model,) = model_factory.build_model(settings, config, device)
     return model, config
 
 

@@ -36,8 +36,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_r3.rl import run as rl_run
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
+from megatron_r3.rl.run import RunSettings
 from tests.support.reference_stack import OldLoopStack
 from tools.synthetic_rollout_dump import write_synthetic_dump
 
@@ -60,21 +61,22 @@ def bench_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def launcher_args(dump: str, iters: int, variant: str) -> argparse.Namespace:
-    return parse_args(["--rollout-dump", dump, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ_LENGTH),
-                       "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])), "--micro-batch-size", "8",
-                       "--moe-enable-routing-replay", "--train-iters", str(iters), *VARIANTS[variant]])
+def launcher_settings(dump: str, iters: int, variant: str) -> RunSettings:
+    return run_settings(parse_args([
+        "--rollout-dump", dump, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ_LENGTH),
+        "--global-batch-size", str(32 * int(os.environ["WORLD_SIZE"])), "--micro-batch-size", "8",
+        "--moe-enable-routing-replay", "--train-iters", str(iters), *VARIANTS[variant]]))
 
 
 def train_once(dump: str, iters: int, variant: str, device: torch.device) -> list[dict]:
     """One launcher run of ``variant`` from the same seeds, in the parallel state every run shares."""
-    args = launcher_args(dump, iters, variant)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    settings = launcher_settings(dump, iters, variant)
+    torch.manual_seed(settings.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
     build = rl_run.build_training_stack
     rl_run.build_training_stack = OldLoopStack if variant == "old-loop" else build
     try:
-        return rl_run.train(args, device, log=lambda line: None)
+        return rl_run.train(settings, device, log=lambda line: None)
     finally:
         rl_run.build_training_stack = build
 
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
         write_synthetic_dump(dump, num_samples=256, num_layers=8, moe_layer_freq=1, num_experts=8, topk=2,
                              vocab_size=VOCAB)
         # One parallel state for every run, as in one launcher process.
-        device = initialize(launcher_args(dump, args.iters, "megatron"))
+        device = initialize(launcher_settings(dump, args.iters, "megatron"))
         seconds = {variant: {timer: [] for timer in TIMERS} for variant in VARIANTS}
         for round_ in range(args.rounds):
             for variant in VARIANTS:

@@ -62,7 +62,7 @@ filter_known_warnings()  # before Megatron's imports, which print most of them
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
-from megatron_r3.rl.arguments import parse_args  # noqa: E402
+from megatron_r3.rl.arguments import parse_args, run_settings  # noqa: E402
 from megatron_r3.rl.initialize import initialize  # noqa: E402
 from megatron_r3.rl.rollout.engine import RolloutEngineError  # noqa: E402
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError  # noqa: E402
@@ -71,14 +71,14 @@ from megatron_r3.rl.run import train  # noqa: E402
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Runs the launcher; bad input ends the process with one line on stderr and exit status 1."""
-    args = parse_args(argv)
+    settings = run_settings(parse_args(argv))
     try:
         imported = time.perf_counter()
-        device = initialize(args)
+        device = initialize(settings)
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
                   f"{time.perf_counter() - imported:.1f}", flush=True)
-        train(args, device)
+        train(settings, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

@@ -17,6 +17,7 @@ See docs/routing_replay.md.
 """
 
 import argparse
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -29,9 +30,8 @@ __all__ = [
     "add_routing_replay_args",
     "chunk_moe_layers",
     "host_counts_unsupported",
+    "RoutingReplaySettings",
     "moe_routing_for_chunk",
-    "routing_replay_check_kwargs",
-    "routing_replay_config_kwargs",
 ]
 
 
@@ -207,20 +207,30 @@ def add_routing_replay_args(
     return parser
 
 
-def routing_replay_config_kwargs(args: argparse.Namespace) -> dict:
-    """TransformerConfig keyword arguments from the parsed flags, for a loop whose routers take a
-    ``MoERouting`` exactly when ``--moe-enable-routing-replay`` is given.
+@dataclass(frozen=True)
+class RoutingReplaySettings:
+    """The routing-replay fields of a ``TransformerConfig``, as the flags of :func:`add_routing_replay_args`
+    set them (:func:`megatron_r3.rl.arguments.routing_replay_settings` reads them from the parsed flags).
 
-    (The launcher gives them one in more passes: it decides ``moe_enable_routing_replay`` in
-    :func:`megatron_r3.rl.model.factory.routers_take_moe_routing` and takes the checks from
-    :func:`routing_replay_check_kwargs`.)
+    Attributes:
+        enabled: The routers take a per-microbatch ``MoERouting`` (``moe_enable_routing_replay``).
+        check_values: Check the replayed expert ids on the device before each forward.
+        check_host_tokens_per_expert: Check the host token counts per expert, not only per rank.
     """
-    return {"moe_enable_routing_replay": args.moe_enable_routing_replay, **routing_replay_check_kwargs(args)}
 
+    enabled: bool = False
+    check_values: bool = False
+    check_host_tokens_per_expert: bool = True
 
-def routing_replay_check_kwargs(args: argparse.Namespace) -> dict:
-    """The TransformerConfig fields of the replay checks, from their flags."""
-    return {
-        "moe_routing_replay_check_values": args.moe_routing_replay_check_values,
-        "moe_check_host_tokens_per_expert": args.moe_check_host_tokens_per_expert,
-    }
+    def config_kwargs(self) -> dict:
+        """``TransformerConfig`` keyword arguments for a loop whose routers take a ``MoERouting`` exactly
+        when ``enabled`` (the launcher decides ``moe_enable_routing_replay`` from more flags, in
+        :func:`megatron_r3.rl.arguments.model_settings`)."""
+        return {"moe_enable_routing_replay": self.enabled, **self.check_kwargs()}
+
+    def check_kwargs(self) -> dict:
+        """The ``TransformerConfig`` fields of the replay checks."""
+        return {
+            "moe_routing_replay_check_values": self.check_values,
+            "moe_check_host_tokens_per_expert": self.check_host_tokens_per_expert,
+        }

@@ -41,8 +41,8 @@ class PoisonAfterStep:
             checkpointing.non_finite_tensors = lambda named: []
             seen["undo"] = [lambda: setattr(checkpointing, "non_finite_tensors", original)]
 
-        def poisoned(args, device, log=print):
-            run = setup(args, device, log)
+        def poisoned(settings, device, log=print):
+            run = setup(settings, device, log)
             step = run.trainer.step
 
             def step_then_poison(*step_args, **kwargs):
@@ -289,13 +289,13 @@ def test_a_full_disk_stops_before_training_or_at_the_save_with_nothing_partial_l
 def _estimate(argv):
     from megatron.core import parallel_state
 
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.checkpoint.space import checkpoint_bytes
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import checkpoint_models, setup
 
-    args = parse_args(argv)
-    run = setup(args, initialize(args), lambda line: None)
+    settings = run_settings(parse_args(argv))
+    run = setup(settings, initialize(settings), lambda line: None)
     try:
         return checkpoint_bytes(checkpoint_models(run), run.trainer.stack.optimizer)
     finally:

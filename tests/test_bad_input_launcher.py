@@ -192,8 +192,8 @@ def _main_cases(cases, store_dir):
 
 def _poison_final_norm(setup, seen):
     """After setup: a NaN in the policy's final layer norm, so the loss is NaN; keeps the weights to compare."""
-    def poisoned(args, device, log=print):
-        run = setup(args, device, log)
+    def poisoned(settings, device, log=print):
+        run = setup(settings, device, log)
         with torch.no_grad():
             run.trainer.stack.chunks[-1].decoder.final_layernorm.weight[0] = float("nan")
         seen["run"] = run
@@ -444,14 +444,14 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
 def _trainer_guards(argv):
     """PolicyTrainer.step's own checks: samples that enter it, and gradients that are not finite."""
     from megatron_r3.dataplane.sample_checks import SampleValueError
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import setup
     from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError
 
-    args = parse_args(argv)
-    device = initialize(args)
-    run = setup(args, device, lambda line: None)
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)
+    run = setup(settings, device, lambda line: None)
     messages = []
     try:
         batch = run.source.batch(1)

@@ -44,15 +44,15 @@ def write_dump(path, routed=True):
 
 
 def train_worker(argv):
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import train
 
-    args = parse_args(argv)
-    device = initialize(args)  # the process group exists: parallel state and seeds
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)  # the process group exists: parallel state and seeds
     lines = []
     try:
-        history = train(args, device, log=lines.append)
+        history = train(settings, device, log=lines.append)
     finally:
         parallel_state.destroy_model_parallel()
     return {"history": history, "lines": lines}

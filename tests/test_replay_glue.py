@@ -5,13 +5,8 @@ import argparse
 import pytest
 import torch
 
-from megatron_r3.routing_replay import (
-    add_routing_replay_args,
-    chunk_moe_layers,
-    moe_routing_for_chunk,
-    routing_replay_check_kwargs,
-    routing_replay_config_kwargs,
-)
+from megatron_r3.rl.arguments import routing_replay_settings
+from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args, chunk_moe_layers, moe_routing_for_chunk
 from tests.support.replay import init_single_rank, make_config, make_hybrid_model, make_model, random_routes
 
 
@@ -66,23 +61,25 @@ def test_live_routing_for_recording(model):
 
 def test_flags_map_to_config_fields():
     parser = add_routing_replay_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--moe-enable-routing-replay"])
-    assert routing_replay_config_kwargs(args) == {
+    settings = routing_replay_settings(parser.parse_args(["--moe-enable-routing-replay"]))
+    assert settings == RoutingReplaySettings(enabled=True)
+    assert settings.config_kwargs() == {
         "moe_enable_routing_replay": True,
         "moe_routing_replay_check_values": False,
         "moe_check_host_tokens_per_expert": True,
     }
-    args = parser.parse_args(["--moe-routing-replay-check-values", "--no-moe-check-host-tokens-per-expert"])
-    assert routing_replay_config_kwargs(args) == {
+    make_config(**settings.config_kwargs())
+    settings = routing_replay_settings(
+        parser.parse_args(["--moe-routing-replay-check-values", "--no-moe-check-host-tokens-per-expert"]))
+    assert settings.config_kwargs() == {
         "moe_enable_routing_replay": False,
         "moe_routing_replay_check_values": True,
         "moe_check_host_tokens_per_expert": False,
     }
-    assert routing_replay_check_kwargs(args) == {
+    assert settings.check_kwargs() == {
         "moe_routing_replay_check_values": True,
         "moe_check_host_tokens_per_expert": False,
     }
-    make_config(**routing_replay_config_kwargs(parser.parse_args(["--moe-enable-routing-replay"])))
 
 
 def test_a_program_gives_the_enable_flag_its_own_help():

@@ -98,16 +98,16 @@ def test_replayed_step_with_host_splits_makes_no_host_sync(layout):
 def launcher_update_pass_worker(argv, fillers):
     """The launcher's R3 update pass (embedded default, rollout-shaped samples from its engine)
     under ``set_sync_debug_mode("error")`` with filler routes, or counted without them."""
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.model.passes import run_pass
     from megatron_r3.rl.run import setup
     from megatron_r3.rl.trainer.policy_trainer import PolicyLoss
 
-    args = parse_args(argv)
-    device = initialize(args)
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)
     try:
-        run = setup(args, device)
+        run = setup(settings, device)
         batch = run.source.batch(1)  # the engine's samples: no route for each final token
         trainer = run.trainer
 

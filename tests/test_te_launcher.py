@@ -27,12 +27,12 @@ EMBEDDED = TE_MODEL + ["--micro-batch-size", "2", "--global-batch-size", "8", "-
 
 def _model_worker(argv):
     """The launcher's policy config on this GPU: which layers, which dtype."""
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.model.factory import transformer_config
 
-    args = parse_args(argv)
-    config = transformer_config(args, initialize(args))
+    settings = run_settings(parse_args(argv))
+    config = transformer_config(settings.model, initialize(settings))
     return {"impl": config.transformer_impl, "bf16": config.bf16}
 
 

@@ -20,13 +20,13 @@ from tests.support.launcher import run_workers
 def default_model():
     """The default launcher run's checkpoint tensors, timed in a worker (Megatron needs a process group)."""
     from megatron.core import parallel_state
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.checkpoint.checkpointing import models_sharded_state_dict
     from megatron_r3.rl.checkpoint.finite import sharded_tensors
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import checkpoint_models, setup
-    args = parse_args(["--train-iters", "1"])
-    run = setup(args, initialize(args), lambda line: None)
+    settings = run_settings(parse_args(["--train-iters", "1"]))
+    run = setup(settings, initialize(settings), lambda line: None)
     named = list(sharded_tensors(models_sharded_state_dict(checkpoint_models(run))))
     # Adam's state as a save holds it: two fp32 moments per trained tensor.
     named += [(f"optimizer.{m}.{key}", torch.randn_like(t.float())) for key, t in list(named)

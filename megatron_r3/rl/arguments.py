@@ -3,25 +3,39 @@
 :func:`parse_args` parses them and refuses what does not fit together, one line per
 problem (exit status 2); :func:`complete_args` fills the defaults that follow from other
 flags (the task's vocabulary and lengths, ``--micro-batch-size``, ``--seq-length``).
+
+The parsed namespace stops here: the functions at the end turn it into the settings
+dataclasses the packages below take (:class:`~megatron_r3.rl.model.factory.ModelSettings`
+and the others, each beside the code that reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Optional
 
 import torch.distributed as dist
 
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
-from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
-from megatron_r3.rl.profiling.profiler import add_profiling_args, profiling_problems
-from megatron_r3.rl.rollout.tasks import TRANSFORMS, SymbolTask
+from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
+from megatron_r3.rl.profiling.profiler import ProfilingSettings, add_profiling_args, profiling_problems
+from megatron_r3.rl.rollout.engine import SamplingParams
+from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
+from megatron_r3.rl.rollout.sources import RolloutSettings
+from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
+from megatron_r3.rl.run import CheckpointSettings, LoggingSettings, RunSettings
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
-from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES
-from megatron_r3.rl.trainer.training_stack import add_training_stack_args, training_stack_problems
-from megatron_r3.routing_replay import add_routing_replay_args
+from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES, PolicyUpdateSettings
+from megatron_r3.rl.trainer.training_stack import (
+    TrainingStackSettings,
+    add_training_stack_args,
+    training_stack_problems,
+)
+from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
@@ -227,7 +241,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except ValueError as error:
             problems = [str(error)]
         else:
-            problems = relation_problems(args) + training_stack_problems(args) + profiling_problems(args)
+            problems = (relation_problems(args) + training_stack_problems(training_stack_settings(args))
+                        + profiling_problems(profiling_settings(args)))
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
@@ -244,14 +259,6 @@ def virtual_pipeline_stages(args: argparse.Namespace) -> Optional[int]:
     if args.hybrid_layer_pattern is None:
         return args.num_virtual_stages_per_pipeline_rank
     return hybrid_virtual_stages(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
-
-
-def moe_layers_of(args: argparse.Namespace) -> tuple[int, ...]:
-    """The model's MoE layers (global 1-based numbers): a HybridModel's ``E`` layers, or a GPTModel's
-    from ``--moe-layer-freq``."""
-    if args.hybrid_layer_pattern is not None:
-        return hybrid_moe_layers(args.hybrid_layer_pattern)
-    return model_moe_layers(args.num_layers, layer_freq(args))
 
 
 def task_of(args: argparse.Namespace) -> SymbolTask:
@@ -321,3 +328,152 @@ def complete_args(args: argparse.Namespace) -> argparse.Namespace:
                          f"samples of up to {longest} tokens (the task's longest prompt + --max-new-tokens "
                          f"{args.max_new_tokens}), padded to multiples of {alignment}: it needs {needed}")
     return args
+
+
+def routers_take_moe_routing(args: argparse.Namespace) -> bool:
+    """Whether the policy's routers take a per-microbatch ``MoERouting`` (``moe_enable_routing_replay``).
+
+    ``--moe-enable-routing-replay`` trains on replayed routes, so its update passes (and R2's
+    old-log-prob pass) need them. ``--r3-compare`` needs them too, for its extra pass in the
+    other routing mode: training live, that pass replays the rollout's routes; training with
+    replay, it records the routes the routers choose. Routers built so route live in a pass
+    that gives them no routes, so a live update pass is unchanged by it.
+    """
+    return args.moe_enable_routing_replay or args.r3_compare
+
+
+def routing_replay_settings(args: argparse.Namespace) -> RoutingReplaySettings:
+    """The flags of :func:`~megatron_r3.routing_replay.add_routing_replay_args`: routers that take a
+    ``MoERouting`` exactly under ``--moe-enable-routing-replay`` (the launcher's policy also under
+    ``--r3-compare``: :func:`model_settings`)."""
+    return RoutingReplaySettings(enabled=args.moe_enable_routing_replay,
+                                 check_values=args.moe_routing_replay_check_values,
+                                 check_host_tokens_per_expert=args.moe_check_host_tokens_per_expert)
+
+
+def parallel_settings(args: argparse.Namespace) -> ParallelSettings:
+    """The parallel sizes the flags give (virtual stages derived from ``--hybrid-layer-pattern``)."""
+    return ParallelSettings(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+
+
+def model_settings(args: argparse.Namespace) -> ModelSettings:
+    """The policy's model as the completed flags (:func:`parse_args`, :func:`complete_args`) describe it."""
+    freq = layer_freq(args)
+    return ModelSettings(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_grouped_gemm_impl=args.moe_grouped_gemm_impl,
+        transformer_impl=args.transformer_impl,
+        cp_comm_type=args.cp_comm_type,
+        moe_permute_fusion=args.moe_permute_fusion,
+        moe_router_fusion=args.moe_router_fusion,
+        swiglu=args.swiglu,
+        normalization=args.normalization,
+        init_method_std=args.init_method_std,
+        add_bias_linear=args.add_bias_linear,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        bf16=args.bf16,
+        parallel=parallel_settings(args),
+        recompute=RecomputeSettings(granularity=args.recompute_granularity, method=args.recompute_method,
+                                    num_layers=args.recompute_num_layers),
+        routing_replay=dataclasses.replace(routing_replay_settings(args), enabled=routers_take_moe_routing(args)),
+    )
+
+
+def rollout_engine_settings(args: argparse.Namespace) -> RolloutEngineSettings:
+    """The rollout engine the completed flags ask for (``--rollout-engine``, its sampling and lag)."""
+    return RolloutEngineSettings(
+        requested=args.rollout_engine,
+        sampling=SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
+        staleness=args.rollout_staleness,
+        cuda_graphs=args.rollout_cuda_graphs,
+    )
+
+
+def rollout_settings(args: argparse.Namespace) -> RolloutSettings:
+    """Where the completed flags take the samples from: the built-in task and engine, or ``--rollout-dump``."""
+    embedded = args.rollout_dump is None
+    return RolloutSettings(
+        group_size=args.rollouts_per_prompt,
+        seed=args.seed,
+        task=task_of(args) if embedded else None,
+        engine=rollout_engine_settings(args) if embedded else None,
+        dump=args.rollout_dump,
+        allow_truncated_dump=args.allow_truncated_rollout_dump,
+    )
+
+
+def policy_update_settings(args: argparse.Namespace) -> PolicyUpdateSettings:
+    """How the trainer routes and what it optimises (``--routing-replay-mode``, ``--r3-compare``, ...)."""
+    return PolicyUpdateSettings(replay_mode=args.routing_replay_mode, compare=args.r3_compare,
+                                clip_ratio=args.clip_ratio, temperature=args.rollout_temperature,
+                                filler_routes=args.filler_routes, cuda_graphs=args.trainer_cuda_graphs)
+
+
+def training_stack_settings(args: argparse.Namespace) -> TrainingStackSettings:
+    """The flags of :func:`~megatron_r3.rl.trainer.training_stack.add_training_stack_args`; the decay by
+    default takes ``--train-iters``, as in Megatron-LM."""
+    return TrainingStackSettings(
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters,
+        lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+        ddp_bucket_size=args.ddp_bucket_size, override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+    )
+
+
+def profiling_settings(args: argparse.Namespace) -> ProfilingSettings:
+    """The flags of :func:`~megatron_r3.rl.profiling.profiler.add_profiling_args`."""
+    return ProfilingSettings(enabled=args.profile, step_start=args.profile_step_start,
+                             step_end=args.profile_step_end, ranks=tuple(args.profile_ranks),
+                             use_pytorch_profiler=args.use_pytorch_profiler, trace_dir=args.tensorboard_dir)
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """Everything a launcher run is built from, from its flags (completed first: :func:`complete_args`)."""
+    args = complete_args(args)
+    return RunSettings(
+        model=model_settings(args),
+        rollouts=rollout_settings(args),
+        update=policy_update_settings(args),
+        training_stack=training_stack_settings(args),
+        profiling=profiling_settings(args),
+        checkpoints=CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
+                                       load_optional=args.load_optional),
+        logging=LoggingSettings(interval=args.log_interval, phase_times=args.timing_log_level >= 1,
+                                count_host_syncs=args.count_host_syncs, metrics_file=args.metrics_file,
+                                append_metrics_file=args.append_metrics_file,
+                                overwrite_metrics_file=args.overwrite_metrics_file,
+                                drop_cut_metrics_line=args.drop_cut_metrics_line),
+        train_iters=args.train_iters,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        distributed_backend=args.distributed_backend,
+        flags=dict(vars(args)),
+    )

@@ -6,33 +6,35 @@ created (its metrics file), so that a restarted attempt (``--max-restarts``) car
 
 from __future__ import annotations
 
-import argparse
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_r3.rl.arguments import virtual_pipeline_stages
+from megatron_r3.rl.model.factory import ParallelSettings
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 
+if TYPE_CHECKING:  # megatron_r3.rl.run imports this module
+    from megatron_r3.rl.run import RunSettings
 
-def init_model_parallel(args: argparse.Namespace, *, create_gloo_process_groups: bool = True) -> None:
-    """Megatron's parallel state for the flags, on an initialised default process group.
+
+def init_model_parallel(parallel: ParallelSettings, *, create_gloo_process_groups: bool = True) -> None:
+    """Megatron's parallel state for ``parallel``'s sizes, on an initialised default process group.
 
     Args:
-        args: The flags; only the parallel sizes are read.
+        parallel: The parallel sizes.
         create_gloo_process_groups: Also build Megatron's gloo copies of its process groups
             (Megatron-LM's default).
     """
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         create_gloo_process_groups=create_gloo_process_groups,
     )
 
@@ -64,11 +66,12 @@ def init_process_group(device: torch.device, backend: Optional[str] = None) -> N
                             rank=rank, world_size=world_size)
 
 
-def initialize(args: argparse.Namespace) -> torch.device:
-    """Process group (from torchrun's environment unless one exists), parallel state and RNG.
+def initialize(settings: RunSettings) -> torch.device:
+    """Process group (from torchrun's environment unless one exists), parallel state and RNG for a run.
 
     CUDA where it is available, else the CPU; the backend is :func:`init_process_group`'s.
-    The flags' arithmetic with the world size is checked before the parallel state is built.
+    The parallel sizes' and the batch's arithmetic with the world size is checked before the
+    parallel state is built.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -76,13 +79,16 @@ def initialize(args: argparse.Namespace) -> torch.device:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        init_process_group(device, args.distributed_backend)
-    problems = world_problems(args, dist.get_world_size())
+        init_process_group(device, settings.distributed_backend)
+    parallel = settings.model.parallel
+    problems = world_problems(parallel, dist.get_world_size(), global_batch_size=settings.global_batch_size,
+                              micro_batch_size=settings.micro_batch_size,
+                              rollouts_per_prompt=settings.rollouts.group_size)
     if problems:
         raise RunCheckError("; ".join(problems))
-    init_model_parallel(args)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    torch.manual_seed(args.seed)
+    init_model_parallel(parallel)
+    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    torch.manual_seed(settings.seed)
     return device
 
 

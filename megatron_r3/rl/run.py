@@ -7,12 +7,11 @@ rollout source), :func:`resume` from a checkpoint, then :func:`run_iterations`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,6 @@ from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.formats.output_files import OutputFileError, check_output
 from megatron_r3.dataplane.samples import RoutingSpec
-from megatron_r3.rl.arguments import complete_args, task_of
 from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
@@ -35,17 +33,96 @@ from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
 from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
 from megatron_r3.rl.metrics_file import MetricsFile, metrics_file_problem, overwrite_warning
-from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.model.factory import ModelSettings, build_model, transformer_config
 from megatron_r3.rl.profiling.phase_timer import PhaseTimer
-from megatron_r3.rl.profiling.profiler import IterationProfiler
+from megatron_r3.rl.profiling.profiler import IterationProfiler, ProfilingSettings
 from megatron_r3.rl.rollout.engine import RolloutEngine
 from megatron_r3.rl.rollout.engine_choice import build_rollout_engine
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
-from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
+from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts, RolloutSettings
 from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer, PolicyUpdateSettings
-from megatron_r3.rl.trainer.training_stack import build_training_stack
+from megatron_r3.rl.trainer.training_stack import TrainingStackSettings, build_training_stack
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where a run saves and resumes.
+
+    Attributes:
+        save: Directory to save checkpoints to, or None.
+        save_interval: Iterations between checkpoints; None: only at the end of training.
+        load: Directory (or one ``iter_NNNNNNN`` folder in it) to resume from, or None.
+        load_optional: Start from scratch when ``load`` holds no checkpoint yet.
+    """
+
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+    load_optional: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """What a run reports, and where.
+
+    Attributes:
+        interval: Iterations between progress lines (and metrics-file lines).
+        phase_times: The progress line also gives each phase's seconds.
+        count_host_syncs: Count the host's waits for the device in each phase.
+        metrics_file: One JSON object per logged iteration goes there, or None.
+        append_metrics_file: A run from scratch appends to an existing ``metrics_file``.
+        overwrite_metrics_file: A run from scratch replaces an existing ``metrics_file``.
+        drop_cut_metrics_line: Appending, drop a last line of ``metrics_file`` that was cut.
+    """
+
+    interval: int = 1
+    phase_times: bool = False
+    count_host_syncs: bool = False
+    metrics_file: Optional[str] = None
+    append_metrics_file: bool = False
+    overwrite_metrics_file: bool = False
+    drop_cut_metrics_line: bool = False
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything a launcher run is built from (:func:`megatron_r3.rl.arguments.run_settings` reads it from
+    the flags).
+
+    Attributes:
+        model: The policy's model (and the rollout engine's).
+        rollouts: Where the samples come from.
+        update: How the trainer routes and what it optimises.
+        training_stack: The optimizer, learning-rate schedule and data-parallel settings.
+        profiling: What to profile.
+        checkpoints: Where the run saves and resumes.
+        logging: What the run reports, and where.
+        train_iters: Iterations the run trains to.
+        global_batch_size: Samples per iteration over all data-parallel ranks; None: one microbatch
+            per data-parallel rank.
+        micro_batch_size: Samples packed per microbatch row.
+        seq_length: Length of a packed microbatch row.
+        seed: Seeds Megatron's RNG and torch's.
+        distributed_backend: The process groups' backend; None: NCCL on GPUs, gloo on CPUs.
+        flags: The parsed flags by name, saved with each checkpoint as a record of the run.
+    """
+
+    model: ModelSettings
+    rollouts: RolloutSettings
+    update: PolicyUpdateSettings
+    training_stack: TrainingStackSettings
+    profiling: ProfilingSettings
+    checkpoints: CheckpointSettings
+    logging: LoggingSettings
+    train_iters: int
+    global_batch_size: Optional[int]
+    micro_batch_size: int
+    seq_length: int
+    seed: int
+    distributed_backend: Optional[str] = None
+    flags: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,7 +130,7 @@ class TrainingRun:
     """Everything that decides the next iteration, in one place (what a checkpoint saves and loads).
 
     Attributes:
-        args: The completed flags.
+        settings: What the run is built from.
         trainer: The policy's chunks, optimizer and routing mode.
         source: Where each iteration's samples come from.
         engine: The rollout engine (``--rollout-engine``: its chunks and lagging weight snapshots),
@@ -62,7 +139,7 @@ class TrainingRun:
         consumed_samples: Samples trained on so far.
     """
 
-    args: argparse.Namespace
+    settings: RunSettings
     trainer: PolicyTrainer
     source: Union[EmbeddedRollouts, DumpRollouts]
     engine: Optional[Union[RolloutEngine, MegatronRolloutEngine]]
@@ -70,38 +147,38 @@ class TrainingRun:
     consumed_samples: int = 0
 
 
-def setup(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> TrainingRun:
+def setup(settings: RunSettings, device: torch.device, log: Callable[[str], None] = print) -> TrainingRun:
     """Builds the policy, the optimizer, the trainer and the rollout source (the engine, or the dump).
 
     In dump mode the dump is checked first, before anything is built.
     """
-    args = complete_args(args)
     dp_size = parallel_state.get_data_parallel_world_size()
-    global_batch = args.global_batch_size or args.micro_batch_size * dp_size
+    global_batch = settings.global_batch_size or settings.micro_batch_size * dp_size
     per_rank = global_batch // dp_size  # whole microbatches and groups: run_checks.world_problems
-    source = DumpRollouts(args, global_batch, log) if args.rollout_dump is not None else None
+    model, rollouts = settings.model, settings.rollouts
+    source = None if rollouts.dump is None else DumpRollouts(rollouts, model, settings.seq_length, global_batch, log)
     try:
-        config = transformer_config(args, device)
-        chunks = build_model(args, config, device)
-        spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
-        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, args.seq_length,
-                         args.micro_batch_size, device, args.hybrid_layer_pattern)
-        stack = build_training_stack(chunks, config, args)
-        trainer = PolicyTrainer(stack, config, spec, rows, PolicyUpdateSettings.from_args(args),
-                                PhaseTimer(device, args.count_host_syncs))
+        config = transformer_config(model, device)
+        chunks = build_model(model, config, device)
+        spec = RoutingSpec.from_config(config, model.hybrid_layer_pattern)
+        rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, settings.seq_length,
+                         settings.micro_batch_size, device, model.hybrid_layer_pattern)
+        stack = build_training_stack(chunks, config, settings.training_stack)
+        trainer = PolicyTrainer(stack, config, spec, rows, settings.update,
+                                PhaseTimer(device, settings.logging.count_host_syncs))
     except BaseException:
         if source is not None:
             source.close()
         raise
     if source is not None:
-        return TrainingRun(args, trainer, source, None)
+        return TrainingRun(settings, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
-    engine = build_rollout_engine(args, device, chunks, spec, rows, per_rank)
-    return TrainingRun(args, trainer, EmbeddedRollouts(args, task_of(args), engine, per_rank), engine)
+    engine = build_rollout_engine(rollouts.engine, model, device, chunks, spec, rows, per_rank)
+    return TrainingRun(settings, trainer, EmbeddedRollouts(rollouts, engine, per_rank), engine)
 
 
 def check_outputs(
-    args: argparse.Namespace, log: Callable[[str], None] = print
+    settings: RunSettings, log: Callable[[str], None] = print
 ) -> tuple[Optional[tuple[str, int]], str]:
     """What the run will write and read, checked on every rank before anything is built.
 
@@ -119,15 +196,17 @@ def check_outputs(
         RunCheckError: on every rank, naming the flag, the path and the rank.
     """
     rank = dist.get_rank()
-    if args.save is not None:
-        problem = save_directory_problem(args.save)
-        raise_on_any_rank(None if problem is None else f"--save {args.save} is not writable on rank {rank}: {problem}")
+    checkpoints, metrics = settings.checkpoints, settings.logging
+    if checkpoints.save is not None:
+        problem = save_directory_problem(checkpoints.save)
+        raise_on_any_rank(None if problem is None else
+                          f"--save {checkpoints.save} is not writable on rank {rank}: {problem}")
     checkpoint, problem = None, None
-    if args.load is not None:
+    if checkpoints.load is not None:
         try:
-            checkpoint = find_checkpoint(args.load)
+            checkpoint = find_checkpoint(checkpoints.load)
         except FileNotFoundError as error:
-            if args.load_optional:
+            if checkpoints.load_optional:
                 log(f" {error}: starting from scratch (--load-optional)")
             else:
                 problem = f"--load: {error}; pass --load-optional to start from scratch when there is none"
@@ -135,19 +214,19 @@ def check_outputs(
             problem = f"--load: {error}"
     raise_on_any_rank(problem)
     mode, problem = "new", None
-    if args.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
+    if metrics.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
         try:
-            check_output(args.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
+            check_output(metrics.metrics_file, overwrite=True, flag="--metrics-file")  # a folder, in a missing folder
         except OutputFileError as error:
             problem = str(error)
         else:
-            mode, why = metrics_file_mode(os.path.exists(args.metrics_file), checkpoint is not None,
-                                          args.append_metrics_file, args.overwrite_metrics_file,
-                                          noted_by_an_earlier_attempt(args.metrics_file))
+            mode, why = metrics_file_mode(os.path.exists(metrics.metrics_file), checkpoint is not None,
+                                          metrics.append_metrics_file, metrics.overwrite_metrics_file,
+                                          noted_by_an_earlier_attempt(metrics.metrics_file))
             resumed = None if checkpoint is None else checkpoint[1]
-            problem = (f"--metrics-file {args.metrics_file} {why}" if why is not None else
-                       metrics_file_problem(args.metrics_file, mode, resumed, args.drop_cut_metrics_line))
-            warning = overwrite_warning(args.metrics_file, resumed) if mode == "overwrite" else None
+            problem = (f"--metrics-file {metrics.metrics_file} {why}" if why is not None else
+                       metrics_file_problem(metrics.metrics_file, mode, resumed, metrics.drop_cut_metrics_line))
+            warning = overwrite_warning(metrics.metrics_file, resumed) if mode == "overwrite" else None
             if problem is None and warning is not None:
                 log(f" {warning}")
     raise_on_any_rank(problem)
@@ -166,12 +245,13 @@ def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
 
 def save(run: TrainingRun) -> None:
     """Saves the run at its current iteration to ``--save``."""
-    state = {"consumed_samples": run.consumed_samples, "args": vars(run.args)}
+    state = {"consumed_samples": run.consumed_samples, "args": dict(run.settings.flags)}
     if run.engine is not None:
         state["rollout_weight_advances"] = run.engine.weights.advances
     stack = run.trainer.stack
     try:
-        save_checkpoint(run.args.save, run.iteration, checkpoint_models(run), stack.optimizer, state, stack.scheduler)
+        save_checkpoint(run.settings.checkpoints.save, run.iteration, checkpoint_models(run), stack.optimizer, state,
+                        stack.scheduler)
     except (NonFiniteCheckpointError, CheckpointSaveError) as error:
         raise type(error)(f"--save: {error}") from None
 
@@ -179,10 +259,11 @@ def save(run: TrainingRun) -> None:
 def check_save_space(run: TrainingRun) -> None:
     """Before the first iteration: ``--save`` has room for one checkpoint (its size from the model and the
     optimizer, :mod:`megatron_r3.rl.checkpoint.space`), on every rank."""
-    if run.args.save is None:
+    if run.settings.checkpoints.save is None:
         return
-    problem = space_problem(run.args.save, checkpoint_bytes(checkpoint_models(run), run.trainer.stack.optimizer))
-    raise_on_any_rank(None if problem is None else f"--save {run.args.save}: {problem}")
+    save = run.settings.checkpoints.save
+    problem = space_problem(save, checkpoint_bytes(checkpoint_models(run), run.trainer.stack.optimizer))
+    raise_on_any_rank(None if problem is None else f"--save {save}: {problem}")
 
 
 def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callable[[str], None] = print) -> None:
@@ -224,18 +305,19 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
         NonFiniteStepError: on every rank, naming the iteration whose loss or gradients are not
             finite; its optimizer step was not taken, and it saved nothing.
     """
-    args = run.args
+    settings = run.settings
+    checkpoints, logs = settings.checkpoints, settings.logging
     moe_layers = run.trainer.spec.model_moe_layers
     logging_rank = dist.get_rank() == dist.get_world_size() - 1
-    metrics_file = MetricsFile(args.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration,
-                               drop_cut_line=args.drop_cut_metrics_line)
-    if logging_rank and args.metrics_file is not None:
-        note_metrics_file(args.metrics_file)
-    profiler = IterationProfiler(args, dist.get_rank(), log)
+    metrics_file = MetricsFile(logs.metrics_file if logging_rank else None, metrics_mode, keep_through=run.iteration,
+                               drop_cut_line=logs.drop_cut_metrics_line)
+    if logging_rank and logs.metrics_file is not None:
+        note_metrics_file(logs.metrics_file)
+    profiler = IterationProfiler(settings.profiling, dist.get_rank(), log)
     history, window_tokens, first = [], 0, run.iteration
     start = window_start = time.perf_counter()
     try:
-        while run.iteration < args.train_iters:
+        while run.iteration < settings.train_iters:
             iteration = run.iteration + 1
             timer = run.trainer.timer
             timer.reset()
@@ -257,34 +339,34 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
             metrics = iteration_metrics(
                 sums, moe_layers, iteration=iteration, consumed_samples=run.consumed_samples,
                 tokens_per_s=window_tokens / max(now - window_start, 1e-9), elapsed_s=elapsed,
-                eta_s=elapsed / (iteration - first) * (args.train_iters - iteration), seconds=timer.seconds,
+                eta_s=elapsed / (iteration - first) * (settings.train_iters - iteration), seconds=timer.seconds,
                 host_syncs=timer.host_syncs if timer.count_host_syncs else None)
             history.append(metrics)
-            if iteration % args.log_interval == 0:
+            if iteration % logs.interval == 0:
                 window_tokens, window_start = 0, now
                 if logging_rank:
-                    log(progress_line(metrics, args.train_iters, timers=args.timing_log_level >= 1))
+                    log(progress_line(metrics, settings.train_iters, timers=logs.phase_times))
                     metrics_file.write(metrics)
-            if args.save and (iteration == args.train_iters
-                              or (args.save_interval and iteration % args.save_interval == 0)):
+            if checkpoints.save and (iteration == settings.train_iters
+                                     or (checkpoints.save_interval and iteration % checkpoints.save_interval == 0)):
                 save(run)
                 if logging_rank:
-                    log(f" saved checkpoint at iteration {iteration} to {args.save}")
+                    log(f" saved checkpoint at iteration {iteration} to {checkpoints.save}")
     finally:
         metrics_file.close()
     return history
 
 
-def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
+def train(settings: RunSettings, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
     """:func:`check_outputs`, :func:`setup`, :func:`resume`, then :func:`run_iterations`; returns every iteration's
     metrics. Everything that can be checked is checked before the first iteration."""
     rank_log = log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None
-    checkpoint, metrics_mode = check_outputs(args, rank_log)
+    checkpoint, metrics_mode = check_outputs(settings, rank_log)
     started = time.perf_counter()
-    run = setup(args, device, rank_log)
+    run = setup(settings, device, rank_log)
     rank_log(f" time to build the policy, its training stack and the rollout source (seconds): "
              f"{time.perf_counter() - started:.1f}")
-    warning = degenerate_groups_warning(args.rollouts_per_prompt,
+    warning = degenerate_groups_warning(settings.rollouts.group_size,
                                         normalised=run.source.loss_field == "reward")
     if warning is not None:
         rank_log(f" {warning}")
@@ -292,7 +374,7 @@ def train(args: argparse.Namespace, device: torch.device, log: Callable[[str], N
         resume(run, checkpoint, rank_log)
         check_save_space(run)
         if isinstance(run.source, DumpRollouts):
-            run.source.check_microbatches(run.args, run.iteration, run.trainer.rows.rank.alignment)
+            run.source.check_microbatches(run.trainer.rows, run.iteration, run.settings.train_iters)
         return run_iterations(run, log, metrics_mode)
     finally:
         run.source.close()

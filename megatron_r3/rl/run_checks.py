@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from megatron_r3.layers.hybrid_pattern import (
     hybrid_virtual_stages,
 )
 from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages, model_moe_layers, parse_moe_layer_freq
+from megatron_r3.rl.model.factory import ParallelSettings
 
 
 class RunCheckError(ValueError):
@@ -140,11 +141,12 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def expert_tensor_parallel_size(args: argparse.Namespace) -> int:
-    """The experts' tensor-parallel size: ``--expert-tensor-parallel-size``, by default the dense layers'."""
-    if args.expert_tensor_parallel_size is None:
-        return args.tensor_model_parallel_size
-    return args.expert_tensor_parallel_size
+def expert_tensor_parallel_size(sizes: Union[argparse.Namespace, ParallelSettings]) -> int:
+    """The experts' tensor-parallel size: ``--expert-tensor-parallel-size``, by default the dense layers'
+    (of the flags, or a ``ParallelSettings``: the same names)."""
+    if sizes.expert_tensor_parallel_size is None:
+        return sizes.tensor_model_parallel_size
+    return sizes.expert_tensor_parallel_size
 
 
 def _pipeline_problems(args: argparse.Namespace) -> list[str]:
@@ -220,34 +222,36 @@ def _hybrid_pattern_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    """The data-parallel size the flags give ``world_size`` ranks (at least 1)."""
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+def data_parallel_size(sizes: Union[argparse.Namespace, ParallelSettings], world_size: int) -> int:
+    """The data-parallel size the flags (or a ``ParallelSettings``: the same names) give ``world_size`` ranks
+    (at least 1)."""
+    model_parallel = sizes.tensor_model_parallel_size * sizes.pipeline_model_parallel_size * sizes.context_parallel_size
     return max(world_size // model_parallel, 1)
 
 
-def world_problems(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Problems of the flags with ``world_size`` ranks: parallel sizes, data-parallel batch sizes."""
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    ep, etp = args.expert_model_parallel_size, expert_tensor_parallel_size(args)
+def world_problems(parallel: ParallelSettings, world_size: int, *, global_batch_size: Optional[int],
+                   micro_batch_size: int, rollouts_per_prompt: int) -> list[str]:
+    """Problems of the parallel sizes and the batch with ``world_size`` ranks, naming the flags."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp, ep, etp = parallel.context_parallel_size, parallel.expert_model_parallel_size, expert_tensor_parallel_size(parallel)
     problems = []
     if world_size % (tp * pp * cp):
         return [f"{world_size} ranks do not divide into --tensor-model-parallel-size {tp} x "
                 f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"]
     if world_size % (etp * ep * pp):
-        experts_tp = ("--tensor-model-parallel-size" if args.expert_tensor_parallel_size is None
+        experts_tp = ("--tensor-model-parallel-size" if parallel.expert_tensor_parallel_size is None
                       else "--expert-tensor-parallel-size")
         problems.append(f"{world_size} ranks do not divide into {experts_tp} {etp} x "
                         f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
-    dp = data_parallel_size(args, world_size)
-    global_batch = args.global_batch_size or args.micro_batch_size * dp
-    if global_batch % (args.micro_batch_size * dp):
+    dp = data_parallel_size(parallel, world_size)
+    global_batch = global_batch_size or micro_batch_size * dp
+    if global_batch % (micro_batch_size * dp):
         problems.append(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
-                        f"{args.micro_batch_size} x data-parallel size {dp} = {args.micro_batch_size * dp}")
-    elif (global_batch // dp) % args.rollouts_per_prompt:
+                        f"{micro_batch_size} x data-parallel size {dp} = {micro_batch_size * dp}")
+    elif (global_batch // dp) % rollouts_per_prompt:
         problems.append(f"each data-parallel rank's {global_batch // dp} samples (--global-batch-size {global_batch} "
                         f"/ data-parallel size {dp}) are not whole groups of --rollouts-per-prompt "
-                        f"{args.rollouts_per_prompt}")
+                        f"{rollouts_per_prompt}")
     return problems
 
 

@@ -5,11 +5,16 @@ import torch
 
 from megatron_r3.layers import transformer_impl
 from megatron_r3.layers.transformer_impl import resolve_grouped_gemm_impl, resolve_transformer_impl, with_experts
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import model_settings, parse_args
 from megatron_r3.rl.model.factory import transformer_config
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False}
+
+
+def launcher_config(flags, device=CPU, **kwargs):
+    """The TransformerConfig the launcher builds from ``flags``."""
+    return transformer_config(model_settings(parse_args(flags)), device, **kwargs)
 
 
 @pytest.mark.parametrize("installed,device,expected", [
@@ -33,23 +38,22 @@ def test_transformer_engine_is_refused_where_it_cannot_run(monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--moe-permute-fusion", "--moe-router-fusion"])
 def test_te_only_options_are_refused_with_the_local_layers(flag):
-    args = parse_args([flag, "--transformer-impl", "local"])
     with pytest.raises(ValueError, match=f"{flag} needs TransformerEngine's layers"):
-        transformer_config(args, CPU)
+        launcher_config([flag, "--transformer-impl", "local"])
 
 
 def test_the_local_layers_train_in_fp32_unless_bf16_is_asked_for():
-    assert transformer_config(parse_args([]), CPU).params_dtype == torch.float32
-    config = transformer_config(parse_args(["--bf16"]), CPU)
+    assert launcher_config([]).params_dtype == torch.float32
+    config = launcher_config(["--bf16"])
     assert config.bf16 and config.params_dtype == torch.bfloat16
-    assert transformer_config(parse_args([]), CPU, rollout_engine=True).bf16
-    assert transformer_config(parse_args([]), CPU).transformer_impl == "local"
+    assert launcher_config([], rollout_engine=True).bf16
+    assert launcher_config([]).transformer_impl == "local"
 
 
 def test_swiglu_gates_the_experts_and_the_mlps():
-    config = transformer_config(parse_args(["--swiglu"]), CPU)
+    config = launcher_config(["--swiglu"])
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
-    config = transformer_config(parse_args([]), CPU)
+    config = launcher_config([])
     assert not config.gated_linear_unit and config.activation_func is torch.nn.functional.gelu
 
 
@@ -60,7 +64,7 @@ def test_grouped_experts_are_tes_by_default_with_te_layers_and_torchs_otherwise(
     with pytest.raises(ValueError, match="needs TransformerEngine's layers"):
         resolve_grouped_gemm_impl("transformer_engine", "local")
     with pytest.raises(ValueError, match="needs TransformerEngine's layers"):
-        transformer_config(parse_args(["--moe-grouped-gemm-impl", "transformer_engine"]), CPU)
+        launcher_config(["--moe-grouped-gemm-impl", "transformer_engine"])
 
 
 def test_with_experts_swaps_the_experts_of_moe_layers_only():
@@ -82,18 +86,18 @@ def test_with_experts_swaps_the_experts_of_moe_layers_only():
 
 
 def test_the_hybrid_layer_pattern_sets_the_layers_and_the_virtual_stages():
-    gpt = transformer_config(parse_args([]), CPU)
+    gpt = launcher_config([])
     assert not gpt.is_hybrid_model and gpt.num_layers == 8
     flags = ["--hybrid-layer-pattern", "*-|*E|*-|*E", "--pipeline-model-parallel-size", "2"]
-    config = transformer_config(parse_args(flags), CPU)
+    config = launcher_config(flags)
     assert config.is_hybrid_model and config.num_layers == 8
     assert config.virtual_pipeline_model_parallel_size == 2  # 4 segments over 2 pipeline ranks
     flags = ["--hybrid-layer-pattern", "*-*E|*-*E", "--pipeline-model-parallel-size", "2"]
-    assert transformer_config(parse_args(flags), CPU).virtual_pipeline_model_parallel_size is None
+    assert launcher_config(flags).virtual_pipeline_model_parallel_size is None
 
 
 def test_the_local_hybrid_layers_refuse_other_layer_types_naming_their_position():
-    config = transformer_config(parse_args(["--hybrid-layer-pattern", "*E"]), CPU)
+    config = launcher_config(["--hybrid-layer-pattern", "*E"])
     with pytest.raises(ValueError, match=r"'\*E-M': 'M' \(Mamba\) at position 4: the local hybrid layers are only"):
         transformer_impl.hybrid_stack_spec(config, "*E-M")
 
@@ -104,8 +108,8 @@ def test_the_local_hybrid_layers_refuse_other_layer_types_naming_their_position(
     (True, "transformer_engine", "TEGroupedMLP"), (True, "torch", "GroupedGemmExperts"), (False, None, "SequentialMLP"),
 ])
 def test_te_hybrid_layers_get_the_experts_asked_for(grouped, impl, experts):
-    config = transformer_config(parse_args(["--hybrid-layer-pattern", "*E", "--transformer-impl", "transformer_engine",
-                                            "--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm"]), GPU)
+    config = launcher_config(["--hybrid-layer-pattern", "*E", "--transformer-impl", "transformer_engine",
+                             "--moe-grouped-gemm" if grouped else "--no-moe-grouped-gemm"], GPU)
     spec = transformer_impl.hybrid_stack_spec(config, "*E", grouped_gemm_impl=impl or "transformer_engine")
     moe = spec.submodules.moe_layer.submodules.mlp
     assert moe.keywords["submodules"].experts.func.__name__ == experts

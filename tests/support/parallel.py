@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import parallel_settings, parse_args
 from megatron_r3.rl.initialize import init_model_parallel
 from tests.support.launcher import worker_device
 
@@ -111,7 +111,7 @@ def init_parallel(layout: Layout, seed: int = 1234, args: Optional[argparse.Name
     assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
     # The launcher's defaults for the rest: only the parallel sizes are read. No test needs
     # Megatron's gloo copies of its groups (each one another group to build).
-    init_model_parallel(args or parse_args(layout.flags), create_gloo_process_groups=False)
+    init_model_parallel(parallel_settings(args or parse_args(layout.flags)), create_gloo_process_groups=False)
     device = worker_device()
     # Without CUDA the series gives Megatron a CPU RNG tracker (same named states).
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -17,10 +17,10 @@ from megatron.core import parallel_state
 class _PlainAdamW:
     """The old loop's optimizer, behind the interface the trainer uses."""
 
-    def __init__(self, params, args):
-        self.adam = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_eps, weight_decay=args.weight_decay)
-        self.param_groups = [{"default_config": True, "lr": args.lr}]
+    def __init__(self, params, settings):
+        self.adam = torch.optim.AdamW(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                                      eps=settings.adam_eps, weight_decay=settings.weight_decay)
+        self.param_groups = [{"default_config": True, "lr": settings.lr}]
 
     def step(self):
         self.adam.step()
@@ -30,9 +30,9 @@ class _PlainAdamW:
 class OldLoopStack:
     """The old loop: the chunks unwrapped, AdamW, gradients all-reduced per parameter."""
 
-    def __init__(self, chunks, config, args):
+    def __init__(self, chunks, config, settings):
         self.model = self.chunks = list(chunks)
-        self.optimizer = _PlainAdamW([p for c in chunks for p in c.parameters()], args)
+        self.optimizer = _PlainAdamW([p for c in chunks for p in c.parameters()], settings)
         self.scheduler = self  # a constant rate: nothing to step
         config.finalize_model_grads_func = self._finalize
 

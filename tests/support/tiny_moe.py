@@ -1,8 +1,8 @@
 """A tiny MoE GPT (dense and MoE layers) built for any layout from one seed, by the launcher's model factory.
 
 :class:`TinyMoE` and :class:`~tests.support.parallel.Layout` become the launcher's flags;
-:func:`build_gpt` parses them with :func:`megatron_r3.rl.arguments.parse_args` and builds
-through :mod:`megatron_r3.rl.model.factory`, so the tests run the model the launcher runs.
+:func:`build_gpt` parses them with :func:`megatron_r3.rl.arguments.parse_args`, takes their
+:func:`~megatron_r3.rl.arguments.model_settings` and builds through :mod:`megatron_r3.rl.model.factory`, so the tests run the model the launcher runs.
 """
 
 import argparse
@@ -14,7 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_r3.layers.moe_layers import hybrid_moe_layers
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import model_settings, parse_args
 from megatron_r3.rl.model.factory import build_model, transformer_config
 from tests.support.parallel import Layout
 from tests.support.weights import init_from_seed
@@ -109,8 +109,8 @@ def build_gpt(
             as :func:`megatron_r3.rl.model.factory.transformer_config` takes them.
     """
     device = device or torch.device("cpu")
-    args = launcher_args(layout, model, flags)
-    config = transformer_config(args, device, **fields)
-    chunks = build_model(args, config, device)
+    settings = model_settings(launcher_args(layout, model, flags))
+    config = transformer_config(settings, device, **fields)
+    chunks = build_model(settings, config, device)
     init_from_seed(chunks, seed, router_logit_std=model.router_logit_std)
     return config, chunks

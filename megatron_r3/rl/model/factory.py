@@ -1,16 +1,18 @@
-"""The policy's (and the rollout engine's) TransformerConfig and model chunks, from the flags.
+"""The policy's (and the rollout engine's) TransformerConfig and model chunks, from :class:`ModelSettings`.
 
 The one place a model is made from settings: the launcher, the benchmarks and the tests
-(``tests/support/tiny_moe.py``, through the same flags) build theirs here, so all of them
-run the same layers under the same settings: TransformerEngine's through Megatron's TE specs,
-or the local ones (:mod:`megatron_r3.layers.transformer_impl`, ``--transformer-impl``). The
-model is a GPTModel, or with ``--hybrid-layer-pattern`` a HybridModel of that pattern.
+(``tests/support/tiny_moe.py``, through the same flags and
+:func:`megatron_r3.rl.arguments.model_settings`) build theirs here, so all of them run the
+same layers under the same settings: TransformerEngine's through Megatron's TE specs, or the
+local ones (:mod:`megatron_r3.layers.transformer_impl`, ``--transformer-impl``). The model is a
+GPTModel, or with ``--hybrid-layer-pattern`` a HybridModel of that pattern.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Union
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_r3.layers.hybrid_pattern import hybrid_num_layers
+from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers
 from megatron_r3.layers.transformer_impl import (
     TE_ONLY_FLAGS,
     decoder_block_spec,
@@ -26,95 +30,187 @@ from megatron_r3.layers.transformer_impl import (
     resolve_grouped_gemm_impl,
     resolve_transformer_impl,
 )
-from megatron_r3.rl.arguments import layer_freq, virtual_pipeline_stages
-from megatron_r3.routing_replay import routing_replay_check_kwargs
+from megatron_r3.routing_replay import RoutingReplaySettings
 
 
-def routers_take_moe_routing(args: argparse.Namespace) -> bool:
-    """Whether the policy's routers take a per-microbatch ``MoERouting`` (``moe_enable_routing_replay``).
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Megatron's parallel sizes (named as ``TransformerConfig``'s fields; the parallel-size flags).
 
-    ``--moe-enable-routing-replay`` trains on replayed routes, so its update passes (and R2's
-    old-log-prob pass) need them. ``--r3-compare`` needs them too, for its extra pass in the
-    other routing mode: training live, that pass replays the rollout's routes; training with
-    replay, it records the routes the routers choose. Routers built so route live in a pass
-    that gives them no routes, so a live update pass is unchanged by it.
+    Attributes:
+        virtual_pipeline_model_parallel_size: Virtual pipeline stages per pipeline rank, or None.
+        num_layers_in_first_pipeline_stage: Layers of the first stage where it differs, or None.
+        num_layers_in_last_pipeline_stage: Layers of the last stage where it differs, or None.
+        expert_tensor_parallel_size: None: the tensor-parallel size.
     """
-    return args.moe_enable_routing_replay or args.r3_compare
+
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
 
 
-def transformer_config(args: argparse.Namespace, device: torch.device, *, rollout_engine: bool = False,
+@dataclass(frozen=True)
+class RecomputeSettings:
+    """Activation recomputation (``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``).
+
+    Attributes:
+        granularity: ``"full"``, ``"selective"`` or None (no recomputation).
+        method: ``"uniform"`` or ``"block"`` (full recomputation only).
+        num_layers: Layers per recomputed unit (full recomputation only).
+    """
+
+    granularity: Optional[str] = None
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def config_kwargs(self) -> dict:
+        """The ``TransformerConfig`` fields."""
+        if self.granularity == "full":
+            return dict(recompute_granularity="full", recompute_method=self.method,
+                        recompute_num_layers=self.num_layers)
+        if self.granularity == "selective":
+            return dict(recompute_granularity="selective")
+        return {}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the model is, where the flags decide it (:func:`megatron_r3.rl.arguments.model_settings`).
+
+    The fields named as ``TransformerConfig``'s mean what they mean there. The others:
+
+    Attributes:
+        moe_layer_freq: Megatron's ``moe_layer_freq`` (every Nth layer, or one 0/1 per layer);
+            a HybridModel's MoE layers are its pattern's ``E`` layers.
+        hybrid_layer_pattern: Build a HybridModel of this pattern (Megatron-LM's syntax), not a GPTModel.
+        moe_grouped_gemm_impl: Who runs grouped experts with TransformerEngine's layers (None: TE's).
+        transformer_impl: ``"transformer_engine"``, ``"local"`` or None (TransformerEngine's where it runs).
+        cp_comm_type, moe_permute_fusion, moe_router_fusion: TransformerEngine's layers only.
+        swiglu: Gated SiLU MLPs and experts, else GeLU.
+        bf16: bf16 parameters and activations; None: with TransformerEngine's layers only.
+        vocab_size: The embedding's and output layer's rows.
+        max_sequence_length: The longest sequence the position embedding serves.
+        routing_replay: Whether the policy's routers take a ``MoERouting``, and the replay checks.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: Optional[int]
+    num_moe_experts: int
+    moe_router_topk: int
+    moe_ffn_hidden_size: int
+    moe_layer_freq: Union[int, tuple[int, ...]]
+    hybrid_layer_pattern: Optional[str]
+    moe_router_score_function: str
+    moe_token_dispatcher_type: str
+    moe_grouped_gemm: bool
+    moe_grouped_gemm_impl: Optional[str]
+    transformer_impl: Optional[str]
+    cp_comm_type: str
+    moe_permute_fusion: bool
+    moe_router_fusion: bool
+    swiglu: bool
+    normalization: str
+    init_method_std: float
+    add_bias_linear: bool
+    vocab_size: int
+    max_sequence_length: int
+    bf16: Optional[bool]
+    parallel: ParallelSettings
+    recompute: RecomputeSettings
+    routing_replay: RoutingReplaySettings
+
+    def __post_init__(self):
+        if self.hybrid_layer_pattern is not None and hybrid_num_layers(self.hybrid_layer_pattern) != self.num_layers:
+            raise ValueError(f"num_layers {self.num_layers} does not match hybrid_layer_pattern "
+                             f"{self.hybrid_layer_pattern!r} ({hybrid_num_layers(self.hybrid_layer_pattern)} layers)")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The model's MoE layers (global 1-based numbers): a HybridModel's ``E`` layers, or a GPTModel's
+        from ``moe_layer_freq``."""
+        if self.hybrid_layer_pattern is not None:
+            return tuple(hybrid_moe_layers(self.hybrid_layer_pattern))
+        return tuple(model_moe_layers(self.num_layers, self._megatron_layer_freq))
+
+    @property
+    def _megatron_layer_freq(self) -> Union[int, list[int]]:
+        return self.moe_layer_freq if isinstance(self.moe_layer_freq, int) else list(self.moe_layer_freq)
+
+    @property
+    def te_only_options(self) -> dict[str, bool]:
+        """The options only TransformerEngine's layers run, by name (refused with the local layers)."""
+        return {name: getattr(self, name) for name in TE_ONLY_FLAGS}
+
+
+def transformer_config(model: ModelSettings, device: torch.device, *, rollout_engine: bool = False,
                        **fields) -> TransformerConfig:
-    """The model's ``TransformerConfig`` from the flags.
+    """The model's ``TransformerConfig``.
 
     Args:
-        args: The flags (:func:`megatron_r3.rl.arguments.parse_args`).
+        model: The settings (:func:`megatron_r3.rl.arguments.model_settings` reads them from the flags).
         device: Where the model computes.
         rollout_engine: The rollout engine's config: bf16 and grouped-GEMM experts, as an inference
-            engine runs, and routers that take a ``MoERouting`` whatever the training flags say (the
+            engine runs, and routers that take a ``MoERouting`` whatever the training settings say (the
             engine records its routes).
-        **fields: ``TransformerConfig`` fields no flag sets (router variants the launcher does not
-            offer, ``recompute_modules``, ...); they replace the fixed choices here (no
-            load-balancing loss, no dropout, no fusions). A field a flag sets is refused: pass the flag.
+        **fields: ``TransformerConfig`` fields ``model`` does not set (router variants the launcher does
+            not offer, ``recompute_modules``, ...); they replace the fixed choices here (no
+            load-balancing loss, no dropout, no fusions). A field ``model`` sets is refused: set it there.
 
     Raises:
-        ValueError: ``fields`` names a field a flag sets, or the layers asked for cannot run here
+        ValueError: ``fields`` names a field ``model`` sets, or the layers asked for cannot run here
             (:func:`~megatron_r3.layers.transformer_impl.resolve_transformer_impl`).
     """
-    transformer_impl = resolve_transformer_impl(
-        args.transformer_impl, device, {name: getattr(args, name) for name in TE_ONLY_FLAGS})
-    resolve_grouped_gemm_impl(args.moe_grouped_gemm_impl, transformer_impl)  # refused here, before building
+    transformer_impl = resolve_transformer_impl(model.transformer_impl, device, model.te_only_options)
+    resolve_grouped_gemm_impl(model.moe_grouped_gemm_impl, transformer_impl)  # refused here, before building
     te_fields = {}
     if transformer_impl == "transformer_engine":
-        te_fields = dict(cp_comm_type=args.cp_comm_type, moe_permute_fusion=args.moe_permute_fusion,
-                         moe_router_fusion=args.moe_router_fusion)
-    bf16 = rollout_engine or (args.bf16 if args.bf16 is not None else transformer_impl == "transformer_engine")
+        te_fields = dict(cp_comm_type=model.cp_comm_type, **model.te_only_options)
+    bf16 = rollout_engine or (model.bf16 if model.bf16 is not None else transformer_impl == "transformer_engine")
     dtype = torch.bfloat16 if bf16 else torch.float32
-    recompute = {}
-    if args.recompute_granularity == "full":
-        recompute = dict(recompute_granularity="full", recompute_method=args.recompute_method,
-                         recompute_num_layers=args.recompute_num_layers)
-    elif args.recompute_granularity == "selective":
-        recompute = dict(recompute_granularity="selective")
-    from_flags = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        normalization=args.normalization,
-        init_method_std=args.init_method_std,
-        add_bias_linear=args.add_bias_linear,
-        num_moe_experts=args.num_experts,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_topk=args.moe_router_topk,
-        moe_layer_freq=layer_freq(args),
-        is_hybrid_model=args.hybrid_layer_pattern is not None,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_grouped_gemm=args.moe_grouped_gemm or rollout_engine,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    routing_replay = model.routing_replay
+    if rollout_engine:  # the engine records its routes
+        routing_replay = dataclasses.replace(routing_replay, enabled=True)
+    from_settings = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        normalization=model.normalization,
+        init_method_std=model.init_method_std,
+        add_bias_linear=model.add_bias_linear,
+        num_moe_experts=model.num_moe_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_layer_freq=model._megatron_layer_freq,
+        is_hybrid_model=model.hybrid_layer_pattern is not None,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm or rollout_engine,
+        **dataclasses.asdict(model.parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
-        moe_enable_routing_replay=rollout_engine or routers_take_moe_routing(args),
-        **routing_replay_check_kwargs(args),
-        **recompute,
+        **routing_replay.config_kwargs(),
+        **model.recompute.config_kwargs(),
         transformer_impl=transformer_impl,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
         **te_fields,
     )
-    flagged = sorted(fields.keys() & from_flags.keys())
-    if flagged:
-        raise ValueError(f"TransformerConfig fields {flagged} come from flags: pass the flags instead")
+    set_here = sorted(fields.keys() & from_settings.keys())
+    if set_here:
+        raise ValueError(f"TransformerConfig fields {set_here} come from the model's settings (the flags): "
+                         f"set them there instead")
     fixed = dict(
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -133,22 +229,23 @@ def transformer_config(args: argparse.Namespace, device: torch.device, *, rollou
         # the same peer (PP=2); separate isend/irecv are right on every backend.
         batch_p2p_comm=device.type == "cuda",
     )
-    return TransformerConfig(**from_flags, **{**fixed, **fields})
+    return TransformerConfig(**from_settings, **{**fixed, **fields})
 
 
-def build_model(args: argparse.Namespace, config: TransformerConfig,
+def build_model(model: ModelSettings, config: TransformerConfig,
                 device: torch.device) -> list[Union[GPTModel, HybridModel]]:
     """This rank's model chunks, one per virtual pipeline stage: GPTModels, or HybridModels of
-    ``--hybrid-layer-pattern`` (each chunk builds its ``|`` segment)."""
+    ``model.hybrid_layer_pattern`` (each chunk builds its ``|`` segment); ``config`` from
+    :func:`transformer_config`."""
     vp = config.virtual_pipeline_model_parallel_size
-    grouped_gemm_impl = resolve_grouped_gemm_impl(args.moe_grouped_gemm_impl, config.transformer_impl)
-    pattern = args.hybrid_layer_pattern
+    grouped_gemm_impl = resolve_grouped_gemm_impl(model.moe_grouped_gemm_impl, config.transformer_impl)
+    pattern = model.hybrid_layer_pattern
     chunks = []
     for vp_stage in range(vp) if vp else [None]:
         common = dict(
             config=config,
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_sequence_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -32,30 +33,51 @@ def add_profiling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensorboard-dir", default=None, help="where the PyTorch profiler writes its trace")
 
 
-def profiling_problems(args: argparse.Namespace) -> list[str]:
-    """The profiling flags that do not fit together, one line each."""
-    if not args.profile:
+@dataclass(frozen=True)
+class ProfilingSettings:
+    """What to profile (the flags of :func:`add_profiling_args`).
+
+    Attributes:
+        enabled: Profile at all (``--profile``).
+        step_start: First iteration profiled.
+        step_end: First iteration after the profiled ones.
+        ranks: Global ranks that profile.
+        use_pytorch_profiler: The PyTorch profiler instead of cudaProfilerStart/Stop for nsys.
+        trace_dir: Where the PyTorch profiler writes its Chrome trace, or None.
+    """
+
+    enabled: bool = False
+    step_start: int = 10
+    step_end: int = 12
+    ranks: tuple[int, ...] = (0,)
+    use_pytorch_profiler: bool = False
+    trace_dir: Optional[str] = None
+
+
+def profiling_problems(settings: ProfilingSettings) -> list[str]:
+    """The profiling settings that do not fit together, one line each, naming the flags."""
+    if not settings.enabled:
         return []
-    if not 1 <= args.profile_step_start < args.profile_step_end:
-        return [f"--profile-step-start {args.profile_step_start} must be >= 1 and below --profile-step-end "
-                f"{args.profile_step_end}"]
+    if not 1 <= settings.step_start < settings.step_end:
+        return [f"--profile-step-start {settings.step_start} must be >= 1 and below --profile-step-end "
+                f"{settings.step_end}"]
     return []
 
 
 class IterationProfiler:
-    """Starts and stops the profiler around the iterations the flags name, on this rank.
+    """Starts and stops the profiler around the iterations ``settings`` name, on this rank.
 
     Args:
-        args: The flags of :func:`add_profiling_args`.
+        settings: What to profile.
         rank: This process's global rank.
         log: Where the operator tables go.
     """
 
-    def __init__(self, args: argparse.Namespace, rank: int, log: Callable[[str], None] = print):
-        self.active = args.profile and rank in args.profile_ranks
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-        self.pytorch = args.use_pytorch_profiler
-        self.trace_dir = args.tensorboard_dir
+    def __init__(self, settings: ProfilingSettings, rank: int, log: Callable[[str], None] = print):
+        self.active = settings.enabled and rank in settings.ranks
+        self.start, self.end = settings.step_start, settings.step_end
+        self.pytorch = settings.use_pytorch_profiler
+        self.trace_dir = settings.trace_dir
         self.rank, self.log = rank, log
         self._profiler: Optional[torch.profiler.profile] = None
 

@@ -37,7 +37,6 @@ of one GPU with one expert rank (each data-parallel rank runs its own engine).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -48,6 +47,7 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.engines.adapters import from_megatron_inference
 from megatron_r3.dataplane.sample_checks import check_logprobs
 from megatron_r3.dataplane.samples import RolloutSample, RoutingSpec
+from megatron_r3.rl.model.factory import ModelSettings
 from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
 from megatron_r3.rl.rollout.weight_lag import LaggedWeights
 
@@ -55,8 +55,8 @@ FLASH_ATTN_MIN_VERSION = "2.7.3"  # Attention.forward's assertion for dynamic ba
 BLOCK_SIZE_TOKENS = 256  # the KV cache's block, Megatron's default
 
 
-def megatron_engine_problem(args: argparse.Namespace, device: torch.device) -> Optional[str]:
-    """Why Megatron's dynamic inference engine cannot be this run's rollout engine, or None where it can."""
+def megatron_engine_problem(model: ModelSettings, device: torch.device) -> Optional[str]:
+    """Why Megatron's dynamic inference engine cannot generate for ``model`` on ``device``, or None where it can."""
     if device.type != "cuda":
         return (f"it needs CUDA and this run computes on {device.type}: megatron.core.inference allocates its "
                 f"sampling generator (TextGenerationController: torch.Generator(device=torch.cuda.current_device()))"
@@ -64,20 +64,21 @@ def megatron_engine_problem(args: argparse.Namespace, device: torch.device) -> O
     attention = flash_attention_problem()
     if attention is not None:
         return attention
-    layout = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
-              "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-              "--context-parallel-size": args.context_parallel_size,
-              "--expert-model-parallel-size": args.expert_model_parallel_size,
-              "--num-virtual-stages-per-pipeline-rank": args.num_virtual_stages_per_pipeline_rank or 1}
+    parallel = model.parallel
+    layout = {"--tensor-model-parallel-size": parallel.tensor_model_parallel_size,
+              "--pipeline-model-parallel-size": parallel.pipeline_model_parallel_size,
+              "--context-parallel-size": parallel.context_parallel_size,
+              "--expert-model-parallel-size": parallel.expert_model_parallel_size,
+              "--num-virtual-stages-per-pipeline-rank": parallel.virtual_pipeline_model_parallel_size or 1}
     split = [f"{flag} {value}" for flag, value in layout.items() if value != 1]
     if split:
         return (f"it generates where a model replica is one GPU with one expert rank (data parallelism only); "
                 f"this run has {', '.join(split)}")
-    if args.hybrid_layer_pattern is not None:
+    if model.hybrid_layer_pattern is not None:
         # Megatron's hybrid inference context takes the pattern's layer types (KV cache for
         # attention layers only), which this engine does not hand it.
         return (f"its inference context is set up here for a GPTModel, whose every layer has attention; this run "
-                f"builds a HybridModel (--hybrid-layer-pattern {args.hybrid_layer_pattern!r})")
+                f"builds a HybridModel (--hybrid-layer-pattern {model.hybrid_layer_pattern!r})")
     return None
 
 

@@ -1,12 +1,12 @@
 """Where each iteration's samples come from: the built-in task and engine, or a rollout dump.
 
 Both give a :class:`RolloutBatch` per iteration (this data-parallel rank's samples, their
-advantages and rewards) and can resume at a checkpoint's data position.
+advantages and rewards) and can resume at a checkpoint's data position. :class:`RolloutSettings`
+says which, and how.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -17,19 +17,47 @@ from megatron.core import parallel_state
 from megatron_r3.dataplane.formats.dump_checks import check_dump_fits
 from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.formats.rollout_shards import DataParallelDumpShard
+from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.rl.arguments import moe_layers_of
+from megatron_r3.rl.model.factory import ModelSettings
 from megatron_r3.rl.rollout.engine import RolloutEngine
+from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
 from megatron_r3.rl.rollout.tasks import SymbolTask
 from megatron_r3.rl.run_checks import RunCheckError, check_dump_records, microbatch_problem
 from megatron_r3.rl.trainer.policy_loss import group_advantages
 
 
-def check_dump(reader: RolloutDumpReader, args: argparse.Namespace) -> None:
-    """Refuses, before training, a dump that does not fit the model (routes, vocab, sample lengths)."""
-    check_dump_fits(reader, num_experts=args.num_experts, topk=args.moe_router_topk,
-                    model_moe_layers=moe_layers_of(args), vocab_size=args.vocab_size,
-                    seq_length=args.seq_length)
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Where a run's samples come from: the built-in task and engine, or a rollout dump.
+
+    Attributes:
+        group_size: Samples per prompt (``--rollouts-per-prompt``); advantages are normalised within
+            these groups.
+        seed: Seeds the task's prompts.
+        task: The built-in task (its prompts and rewards); None with a dump.
+        engine: The built-in engine's settings; None with a dump.
+        dump: The rollout dump to train on instead (``--rollout-dump``), or None.
+        allow_truncated_dump: Train on a dump without its footer, with a warning.
+    """
+
+    group_size: int
+    seed: int
+    task: Optional[SymbolTask] = None
+    engine: Optional[RolloutEngineSettings] = None
+    dump: Optional[str] = None
+    allow_truncated_dump: bool = False
+
+    def __post_init__(self):
+        if (self.dump is None) != (self.task is not None and self.engine is not None):
+            raise ValueError(f"rollouts come from a task and an engine or from a dump: got task {self.task}, "
+                             f"engine {self.engine}, dump {self.dump!r}")
+
+
+def check_dump(reader: RolloutDumpReader, model: ModelSettings, seq_length: int) -> None:
+    """Refuses, before training, a dump that does not fit ``model`` (routes, vocab) or rows of ``seq_length``."""
+    check_dump_fits(reader, num_experts=model.num_moe_experts, topk=model.moe_router_topk,
+                    model_moe_layers=model.moe_layers, vocab_size=model.vocab_size, seq_length=seq_length)
 
 
 @dataclass
@@ -45,17 +73,17 @@ class EmbeddedRollouts:
     """Prompts from the built-in task, completions from the built-in engine, rewards from the task.
 
     Replica ``d`` completes prompts ``[d * P, (d + 1) * P)`` of each iteration, each
-    ``--rollouts-per-prompt`` times; advantages are normalised within each prompt's group.
+    ``settings.group_size`` times; advantages are normalised within each prompt's group.
     The engine samples with the weights it holds; the run moves them on each iteration.
     """
 
     loss_field = "reward"  # advantages are rewards normalised within each prompt's group
 
-    def __init__(self, args: argparse.Namespace, task: SymbolTask, engine: RolloutEngine, per_rank: int):
-        self.task = task
+    def __init__(self, settings: RolloutSettings, engine: RolloutEngine, per_rank: int):
+        self.task = settings.task
         self.engine = engine
-        self.seed = args.seed
-        self.group = args.rollouts_per_prompt
+        self.seed = settings.seed
+        self.group = settings.group_size
         self.prompts_per_rank = per_rank // self.group
         self.dp_rank = parallel_state.get_data_parallel_rank()
 
@@ -89,14 +117,15 @@ class DumpRollouts:
     ranks split between them (``megatron_r3.rl.run_checks.check_dump_records``).
     """
 
-    def __init__(self, args: argparse.Namespace, global_batch: int, log: Callable[[str], None]):
-        self.path, self.global_batch = args.rollout_dump, global_batch
-        self.group = args.rollouts_per_prompt
+    def __init__(self, settings: RolloutSettings, model: ModelSettings, seq_length: int, global_batch: int,
+                 log: Callable[[str], None]):
+        self.path, self.global_batch = settings.dump, global_batch
+        self.group = settings.group_size
         # A cut last record is dropped by the reader and refused (or warned about) by _check_footer.
         self.reader = RolloutDumpReader(self.path, allow_truncated_tail=True)
         try:
-            self._check_footer(args.allow_truncated_rollout_dump, log)
-            check_dump(self.reader, args)
+            self._check_footer(settings.allow_truncated_dump, log)
+            check_dump(self.reader, model, seq_length)
             self.loss_field = check_dump_records(self.reader, log)
         except BaseException:
             self.reader.close()
@@ -127,12 +156,12 @@ class DumpRollouts:
         """Continue after the first ``consumed_samples`` samples (a checkpoint's data position)."""
         self.shard = self._shard(consumed_samples)
 
-    def check_microbatches(self, args: argparse.Namespace, iteration: int, alignment: int) -> None:
-        """Every microbatch of the iterations after ``iteration`` fits one ``--seq-length`` row."""
+    def check_microbatches(self, rows: RowLayout, iteration: int, train_iters: int) -> None:
+        """Every microbatch of iterations ``iteration + 1`` to ``train_iters`` fits one of ``rows``' rows."""
         problem = microbatch_problem(self.reader.index.num_tokens, consumed_samples=self.shard.consumed_samples,
-                                     iterations=args.train_iters - iteration, global_batch=self.global_batch,
-                                     micro_batch_size=args.micro_batch_size, alignment=alignment,
-                                     seq_length=args.seq_length, first_iteration=iteration + 1)
+                                     iterations=train_iters - iteration, global_batch=self.global_batch,
+                                     micro_batch_size=rows.micro_batch_size, alignment=rows.rank.alignment,
+                                     seq_length=rows.seq_length, first_iteration=iteration + 1)
         if problem is not None:
             raise RunCheckError(problem)
 

@@ -30,7 +30,6 @@ one all-reduce; ranks holding a duplicate contribute zeros), to be divided by
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -99,13 +98,6 @@ class PolicyUpdateSettings:
         if self.clip_ratio <= 0:
             raise ValueError(f"--clip-ratio must be > 0, got {self.clip_ratio}")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "PolicyUpdateSettings":
-        """The settings the launcher's flags give."""
-        return cls(replay_mode=args.routing_replay_mode, compare=args.r3_compare, clip_ratio=args.clip_ratio,
-                   temperature=args.rollout_temperature, filler_routes=args.filler_routes,
-                   cuda_graphs=args.trainer_cuda_graphs)
-
     @property
     def trains_with_replay(self) -> bool:
         return self.replay_mode is not None
@@ -114,7 +106,7 @@ class PolicyUpdateSettings:
     def routers_take_moe_routing(self) -> bool:
         """Some pass gives the routers a ``MoERouting``: the update pass replays, or the comparison
         pass replays (training live) or records (training with replay). The model must be built
-        for it (:func:`megatron_r3.rl.model.factory.routers_take_moe_routing`)."""
+        for it (:func:`megatron_r3.rl.arguments.routers_take_moe_routing`)."""
         return self.trains_with_replay or self.compare
 
 

@@ -82,38 +82,62 @@ def add_training_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="on --load, take the learning-rate schedule from the checkpoint, not the flags")
 
 
-def training_stack_problems(args: argparse.Namespace) -> list[str]:
-    """The flags of :func:`add_training_stack_args` out of range or not fitting together, one line each."""
+@dataclass(frozen=True)
+class TrainingStackSettings:
+    """The optimizer, learning-rate schedule and data-parallel settings (the flags of
+    :func:`add_training_stack_args`, named as those flags).
+
+    Attributes:
+        lr_decay_iters: Iterations the decay takes, warmup included (the flag's default: the run's iterations).
+        ddp_bucket_size: Parameters per gradient bucket with ``overlap_grad_reduce``; None: Megatron-LM's size.
+        override_opt_param_scheduler: On a resume, take the schedule from these settings.
+        use_checkpoint_opt_param_scheduler: On a resume, take the schedule from the checkpoint.
+    """
+
+    lr: float
+    min_lr: float
+    lr_decay_style: str
+    lr_decay_iters: int
+    lr_warmup_iters: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = None
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+
+
+def training_stack_problems(settings: TrainingStackSettings) -> list[str]:
+    """The settings out of range or not fitting together, one line each, naming the flags."""
     problems = []
     for name, low, high in (("clip_grad", 0.0, None), ("min_lr", 0.0, None), ("adam_beta1", 0.0, 1.0),
                             ("adam_beta2", 0.0, 1.0)):
-        value = getattr(args, name)
+        value = getattr(settings, name)
         if not (math.isfinite(value) and value >= low and (high is None or value < high)):
             problems.append(f"{_flag(name)} must be a finite number >= {low}" + (f" and < {high}" if high else "")
                             + f", got {value}")
-    if not (math.isfinite(args.adam_eps) and args.adam_eps > 0):
-        problems.append(f"--adam-eps must be a finite number > 0, got {args.adam_eps}")
+    if not (math.isfinite(settings.adam_eps) and settings.adam_eps > 0):
+        problems.append(f"--adam-eps must be a finite number > 0, got {settings.adam_eps}")
     for name, low in (("lr_warmup_iters", 0), ("lr_decay_iters", 1), ("ddp_bucket_size", 1)):
-        value = getattr(args, name)
+        value = getattr(settings, name)
         if value is not None and value < low:
             problems.append(f"{_flag(name)} must be >= {low}, got {value}")
     if problems:
         return problems
-    if args.min_lr > args.lr:
-        problems.append(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    if args.lr_warmup_iters >= decay_iterations(args):
-        problems.append(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-                        f"{decay_iterations(args)} (default: --train-iters)")
+    if settings.min_lr > settings.lr:
+        problems.append(f"--min-lr {settings.min_lr} is larger than --lr {settings.lr}")
+    if settings.lr_warmup_iters >= settings.lr_decay_iters:
+        problems.append(f"--lr-warmup-iters {settings.lr_warmup_iters} must be smaller than --lr-decay-iters "
+                        f"{settings.lr_decay_iters} (default: --train-iters)")
     return problems
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def decay_iterations(args: argparse.Namespace) -> int:
-    """``--lr-decay-iters``, by default ``--train-iters`` (Megatron-LM's default)."""
-    return args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
 
 
 @dataclass
@@ -144,9 +168,9 @@ class TrainingStack:
 
 
 def build_training_stack(
-    chunks: Sequence[torch.nn.Module], config: TransformerConfig, args: argparse.Namespace
+    chunks: Sequence[torch.nn.Module], config: TransformerConfig, settings: TrainingStackSettings
 ) -> TrainingStack:
-    """Wraps this rank's model ``chunks`` and builds their optimizer and scheduler from the flags.
+    """Wraps this rank's model ``chunks`` and builds their optimizer and scheduler from ``settings``.
 
     Sets ``config.finalize_model_grads_func`` (and, with ``--overlap-grad-reduce``,
     ``no_sync_func`` and ``grad_sync_func``), so that every training pass of Megatron's
@@ -155,41 +179,42 @@ def build_training_stack(
     Args:
         chunks: The policy's chunks (``config.calculate_per_token_loss`` must be set).
         config: Their ``TransformerConfig``.
-        args: The flags of :func:`add_training_stack_args`, and ``--train-iters``.
+        settings: The optimizer, schedule and data-parallel settings.
     """
     if not config.calculate_per_token_loss:
         raise ValueError("the training stack divides gradients by the token count: it needs a config with "
                          "calculate_per_token_loss")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # Megatron-LM's choice for bf16; fp32 gradients are fp32 anyway
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=_bucket_size(args),
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        bucket_size=_bucket_size(settings),
     )
     with on_training_stream(next(chunks[0].parameters()).device):
         model = _wrap(chunks, config, ddp_config)
     config.finalize_model_grads_func = finalize_model_grads
-    if args.overlap_grad_reduce:
+    if settings.overlap_grad_reduce:
         config.no_sync_func = [wrapper.no_sync for wrapper in model]
         config.grad_sync_func = [wrapper.start_grad_sync for wrapper in model]
         if len(model) == 1:
             config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-            use_distributed_optimizer=args.use_distributed_optimizer, skip_non_finite_grad_norm=True,
+            optimizer="adam", lr=settings.lr, min_lr=settings.min_lr, weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1, adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+            use_distributed_optimizer=settings.use_distributed_optimizer, skip_non_finite_grad_norm=True,
         ),
         model,
         use_gloo_process_groups=False,  # gathers of the distributed optimizer's state use the default groups
     )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=decay_iterations(args), lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=decay_iterations(args),
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr,
+        lr_warmup_steps=settings.lr_warmup_iters, lr_decay_steps=settings.lr_decay_iters,
+        lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay, end_wd=settings.weight_decay,
+        wd_incr_steps=settings.lr_decay_iters, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=settings.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=settings.override_opt_param_scheduler,
     )
     return TrainingStack(model, optimizer, scheduler)
 
@@ -213,12 +238,12 @@ def on_training_stream(device: torch.device) -> Iterator[None]:
         torch.cuda.current_stream().wait_stream(stream)
 
 
-def _bucket_size(args: argparse.Namespace) -> Optional[int]:
+def _bucket_size(settings: TrainingStackSettings) -> Optional[int]:
     """Megatron-LM's bucket size: one bucket without overlap, else large enough to stay bandwidth-bound."""
-    if not args.overlap_grad_reduce:
+    if not settings.overlap_grad_reduce:
         return None
-    if args.ddp_bucket_size is not None:
-        return args.ddp_bucket_size
+    if settings.ddp_bucket_size is not None:
+        return settings.ddp_bucket_size
     return max(40_000_000, 1_000_000 * parallel_state.get_data_parallel_world_size(with_context_parallel=True))
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
+from megatron_r3.rl.arguments import training_stack_settings
 from megatron_r3.rl.checkpoint.checkpointing import load_checkpoint, save_checkpoint
 from megatron_r3.rl.checkpoint.dirs import TRACKER_FILENAME, iteration_dir, latest_iteration
 from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
@@ -35,18 +36,19 @@ EP2 = Layout(ep=2, dp=2)
 DISTRIBUTED = ("--use-distributed-optimizer",)
 
 
-def _stack_args(flags=DISTRIBUTED):
-    """The launcher's optimizer flags: its defaults (Adam, --clip-grad 1), plus ``flags``."""
+def _stack_settings(flags=DISTRIBUTED):
+    """The launcher's optimizer settings: its flags' defaults (Adam, --clip-grad 1), plus ``flags``."""
     parser = argparse.ArgumentParser()
     add_training_stack_args(parser)
-    return parser.parse_args(["--lr", "1e-2", "--weight-decay", "0.01", "--lr-decay-iters", "100", *flags])
+    return training_stack_settings(
+        parser.parse_args(["--lr", "1e-2", "--weight-decay", "0.01", "--lr-decay-iters", "100", *flags]))
 
 
 def _setup(layout: Layout, model: TinyMoE = MODEL, flags=DISTRIBUTED):
     """Parallel state, Megatron's seeded RNG (CPU generators on CPU), and the model chunks in the training stack."""
     device = init_parallel(layout)
     config, chunks = build_gpt(layout, model, seed=0, device=device)
-    stack = build_training_stack(chunks, config, _stack_args(flags))
+    stack = build_training_stack(chunks, config, _stack_settings(flags))
     return device, stack
 
 

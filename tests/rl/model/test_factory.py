@@ -1,14 +1,20 @@
-"""megatron_r3.rl.model.factory: the flags reach the TransformerConfig, and the routers take a MoERouting
-exactly when a pass gives them one."""
+"""megatron_r3.rl.model.factory: the flags reach the TransformerConfig (through ModelSettings), and the
+routers take a MoERouting exactly when a pass gives them one."""
 
 import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import (
+    model_settings,
+    parallel_settings,
+    parse_args,
+    policy_update_settings,
+    routers_take_moe_routing,
+)
 from megatron_r3.rl.initialize import init_model_parallel
-from megatron_r3.rl.model.factory import build_model, routers_take_moe_routing, transformer_config
-from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer, PolicyUpdateSettings
+from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
 
@@ -29,59 +35,62 @@ DUMP = ["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "64"
 def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes):
     args = parse_args(flags)
     assert routers_take_moe_routing(args) is takes
-    config = transformer_config(args, CPU)
+    model = model_settings(args)
+    assert model.routing_replay.enabled is takes
+    config = transformer_config(model, CPU)
     assert config.moe_enable_routing_replay is takes
     # The trainer's passes agree with the model: it refuses only a model built without the field.
-    settings = PolicyUpdateSettings.from_args(args)
+    settings = policy_update_settings(args)
     assert settings.routers_take_moe_routing is takes
     if takes:
-        live_only = transformer_config(parse_args(DUMP), CPU)
+        live_only = transformer_config(model_settings(parse_args(DUMP)), CPU)
         with pytest.raises(ValueError, match="need routers that take a MoERouting"):
             PolicyTrainer(None, live_only, None, None, settings)
     # The rollout engine records its routes whatever the training flags say, in bf16.
-    engine = transformer_config(args, CPU, rollout_engine=True)
+    engine = transformer_config(model, CPU, rollout_engine=True)
     assert engine.moe_enable_routing_replay and engine.bf16 and engine.params_dtype == torch.bfloat16
-    assert not transformer_config(args, CPU).bf16
+    assert not config.bf16
     # It runs its experts as grouped GEMMs, as inference engines do; the trainer too, unless asked not to.
-    assert engine.moe_grouped_gemm and transformer_config(args, CPU).moe_grouped_gemm
-    assert transformer_config(parse_args([*flags, "--moe-grouped-gemm"]), CPU).moe_grouped_gemm
+    assert engine.moe_grouped_gemm and config.moe_grouped_gemm
+    assert transformer_config(model_settings(parse_args([*flags, "--moe-grouped-gemm"])), CPU).moe_grouped_gemm
     no_grouped = parse_args([*flags, "--no-moe-grouped-gemm"])
-    assert not transformer_config(no_grouped, CPU).moe_grouped_gemm
-    assert transformer_config(no_grouped, CPU, rollout_engine=True).moe_grouped_gemm
+    assert not transformer_config(model_settings(no_grouped), CPU).moe_grouped_gemm
+    assert transformer_config(model_settings(no_grouped), CPU, rollout_engine=True).moe_grouped_gemm
 
 
 def test_model_flags_reach_the_config():
     args = parse_args(["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                        "--add-bias-linear", "--moe-routing-replay-check-values",
                        "--no-moe-check-host-tokens-per-expert", "--moe-router-score-function", "sigmoid"])
-    config = transformer_config(args, CPU)
+    config = transformer_config(model_settings(args), CPU)
     assert (config.tensor_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
     assert config.add_bias_linear and config.moe_router_score_function == "sigmoid"
     assert config.moe_routing_replay_check_values and not config.moe_check_host_tokens_per_expert
     # Megatron's default expert-TP is TP; the launcher's linear layers have no biases unless asked.
     for flags in ([], ["--disable-bias-linear"]):
-        config = transformer_config(parse_args(["--tensor-model-parallel-size", "2", *flags]), CPU)
+        config = transformer_config(model_settings(parse_args(["--tensor-model-parallel-size", "2", *flags])), CPU)
         assert config.expert_tensor_parallel_size == 2 and not config.add_bias_linear
 
 
 def test_fields_without_a_flag_replace_the_fixed_choices_and_a_flagged_field_is_refused():
-    args = parse_args([])
-    assert transformer_config(args, CPU).moe_router_load_balancing_type == "none"
-    config = transformer_config(args, CPU, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
+    model = model_settings(parse_args([]))
+    assert transformer_config(model, CPU).moe_router_load_balancing_type == "none"
+    config = transformer_config(model, CPU, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1,
                                 moe_router_pre_softmax=True)
     assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff) == ("aux_loss", 0.1)
     assert config.moe_router_pre_softmax
     with pytest.raises(ValueError, match=r"\['moe_enable_routing_replay', 'moe_router_score_function'\] come "
-                                         r"from flags: pass the flags instead"):
-        transformer_config(args, CPU, moe_router_score_function="sigmoid", moe_enable_routing_replay=True)
+                                         r"from the model's settings \(the flags\): set them there instead"):
+        transformer_config(model, CPU, moe_router_score_function="sigmoid", moe_enable_routing_replay=True)
 
 
 def expert_tp_worker(argv):
     """This rank's expert-TP size and its first MoE layer's experts, built from the flags."""
     args = parse_args(argv)
-    init_model_parallel(args, create_gloo_process_groups=False)
+    init_model_parallel(parallel_settings(args), create_gloo_process_groups=False)
     try:
-        (chunk,) = build_model(args, transformer_config(args, CPU), CPU)
+        model = model_settings(args)
+        (chunk,) = build_model(model, transformer_config(model, CPU), CPU)
         experts = chunk.decoder.layers[0].mlp.experts.local_experts
         fc1 = experts[0].linear_fc1
         return {"etp": parallel_state.get_expert_tensor_parallel_world_size(), "local_experts": len(experts),

@@ -1,7 +1,7 @@
 """Megatron's inference engine as the loop's rollout engine: where it runs, its finished requests as samples,
 its router recording kept to its own routers; on a GPU, the loop replaying the routes it records."""
 
-import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +13,8 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.rl.rollout import megatron_engine
-from megatron_r3.rl.arguments import parse_args
+from megatron_r3.rl.arguments import model_settings, parse_args
+from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings
 from megatron_r3.rl.rollout.megatron_engine import (
     MegatronRolloutEngine,
     flash_attention_problem,
@@ -31,44 +32,55 @@ from tests.test_launch import EMBEDDED_FLAGS, train_worker
 SPEC = RoutingSpec(num_layers=4, model_moe_layers=(2, 4), num_experts=4, topk=2)
 
 
-def _layout(**sizes) -> argparse.Namespace:
-    flags = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                 expert_model_parallel_size=1, num_virtual_stages_per_pipeline_rank=None, hybrid_layer_pattern=None)
-    return argparse.Namespace(**{**flags, **sizes})
+DEFAULT_MODEL = model_settings(parse_args([]))
+
+
+def _model(hybrid_layer_pattern=None, **parallel) -> ModelSettings:
+    """The launcher's default model under ``parallel`` sizes, or a HybridModel of ``hybrid_layer_pattern``."""
+    if hybrid_layer_pattern is not None:
+        return model_settings(parse_args(["--hybrid-layer-pattern", hybrid_layer_pattern]))
+    return dataclasses.replace(DEFAULT_MODEL, parallel=ParallelSettings(**parallel))
+
+
+def _resolve(requested, device, model=DEFAULT_MODEL):
+    return resolve_rollout_engine(requested, model, torch.device(device))
 
 
 def test_a_cpu_run_defaults_to_the_built_in_engine_and_refuses_megatrons_naming_cuda():
-    assert resolve_rollout_engine(parse_args([]), torch.device("cpu")) == "local"
-    assert resolve_rollout_engine(parse_args(["--rollout-engine", "local"]), torch.device("cpu")) == "local"
+    assert _resolve(None, "cpu") == "local"
+    assert _resolve("local", "cpu") == "local"
     with pytest.raises(ValueError, match=r"--rollout-engine megatron cannot run here: it needs CUDA and this run "
                                          r"computes on cpu: .*torch\.cuda\.current_device.*--rollout-engine local"):
-        resolve_rollout_engine(parse_args(["--rollout-engine", "megatron"]), torch.device("cpu"))
+        _resolve("megatron", "cpu")
 
 
 def test_without_flash_attention_megatrons_engine_is_refused_naming_it(monkeypatch):
-    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: "flash-attn is not installed")
-    assert megatron_engine_problem(_layout(), torch.device("cuda")) == "flash-attn is not installed"
-    args = parse_args(["--rollout-engine", "megatron"])
+    monkeypatch.setattr(megatron_engine, "flash_attention_problem", lambda: "flash-attn is not installed")
+    assert megatron_engine_problem(_model(), torch.device("cuda")) == "flash-attn is not installed"
     with pytest.raises(ValueError, match="cannot run here: flash-attn is not installed"):
-        resolve_rollout_engine(args, torch.device("cuda"))
-    assert resolve_rollout_engine(parse_args([]), torch.device("cuda")) == "local"
+        _resolve("megatron", "cuda")
+    assert _resolve(None, "cuda") == "local"
 
 
-@pytest.mark.parametrize("flag, value", [("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 2),
-                                         ("context_parallel_size", 2), ("expert_model_parallel_size", 2),
-                                         ("num_virtual_stages_per_pipeline_rank", 2)])
-def test_megatrons_engine_needs_a_replica_of_one_gpu_with_one_expert_rank(monkeypatch, flag, value):
-    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: None)
-    assert megatron_engine_problem(_layout(), torch.device("cuda")) is None
-    problem = megatron_engine_problem(_layout(**{flag: value}), torch.device("cuda"))
-    assert problem.endswith(f"this run has --{flag.replace('_', '-')} {value}")
+@pytest.mark.parametrize("field, flag", [("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                                         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                                         ("context_parallel_size", "--context-parallel-size"),
+                                         ("expert_model_parallel_size", "--expert-model-parallel-size"),
+                                         ("virtual_pipeline_model_parallel_size",
+                                          "--num-virtual-stages-per-pipeline-rank")])
+def test_megatrons_engine_needs_a_replica_of_one_gpu_with_one_expert_rank(monkeypatch, field, flag):
+    monkeypatch.setattr(megatron_engine, "flash_attention_problem", lambda: None)
+    assert megatron_engine_problem(_model(), torch.device("cuda")) is None
+    problem = megatron_engine_problem(_model(**{field: 2}), torch.device("cuda"))
+    assert problem.endswith(f"this run has {flag} 2")
 
 
 def test_a_hybrid_model_generates_on_the_built_in_engine(monkeypatch):
-    monkeypatch.setattr(megatron_rollout_engine, "flash_attention_problem", lambda: None)
-    problem = megatron_engine_problem(_layout(hybrid_layer_pattern="*E*E"), torch.device("cuda"))
+    monkeypatch.setattr(megatron_engine, "flash_attention_problem", lambda: None)
+    hybrid = _model(hybrid_layer_pattern="*E*E")
+    problem = megatron_engine_problem(hybrid, torch.device("cuda"))
     assert problem.endswith("this run builds a HybridModel (--hybrid-layer-pattern '*E*E')")
-    assert resolve_rollout_engine(parse_args(["--hybrid-layer-pattern", "*E*E"]), torch.device("cuda")) == "local"
+    assert _resolve(None, "cuda", hybrid) == "local"
 
 
 def _request(prompt, generated, logprobs, routing, status=Status.COMPLETED):

@@ -45,17 +45,17 @@ STACKS = {
 def loops_worker(argv, stacks):
     """The launcher's loop once per entry of ``stacks`` (``"reference"``: on the old loop's stack), in this process."""
     from megatron_r3.rl import run as rl_run
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
 
     build = rl_run.build_training_stack
     histories = {}
     for name, flags in stacks.items():
         rl_run.build_training_stack = OldLoopStack if name == "reference" else build
-        args = parse_args(argv + flags)
-        device = initialize(args)
+        settings = run_settings(parse_args(argv + flags))
+        device = initialize(settings)
         try:
-            histories[name] = rl_run.train(args, device, log=lambda line: None)
+            histories[name] = rl_run.train(settings, device, log=lambda line: None)
         finally:
             parallel_state.destroy_model_parallel()
             rl_run.build_training_stack = build
@@ -96,13 +96,13 @@ def test_the_distributed_optimizer_and_overlapped_reduction_change_no_number(tmp
 
 def schedule_worker(argv):
     from megatron_r3.rl import run as rl_run
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
 
-    args = parse_args(argv)
-    device = initialize(args)
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)
     try:
-        run = rl_run.setup(args, device, lambda line: None)
+        run = rl_run.setup(settings, device, lambda line: None)
         stack = run.trainer.stack
         config = stack.optimizer.config
         wiring = {

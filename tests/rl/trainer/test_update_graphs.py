@@ -25,15 +25,15 @@ def _grads(chunk):
 
 def _update_worker(argv, mode):
     """Per batch: did the graph pass equal the eager one (outputs, gradients), and did it replay."""
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import setup
     from megatron_r3.rl.trainer.policy_trainer import PolicyLoss
 
-    args = parse_args(argv)
-    device = initialize(args)
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)
     try:
-        run = setup(args, device)
+        run = setup(settings, device)
         trainer = run.trainer
         (chunk,) = trainer.chunks
         eager = UpdatePassGraphs(trainer.chunks, lambda old: PolicyLoss(old, trainer.settings), trainer.stack.zero_grad,
@@ -83,14 +83,14 @@ def test_update_replays_give_the_eager_pass_bit_for_bit(mode):
 
 
 def _disabled_worker(argv):
-    from megatron_r3.rl.arguments import parse_args
+    from megatron_r3.rl.arguments import parse_args, run_settings
     from megatron_r3.rl.initialize import initialize
     from megatron_r3.rl.run import setup
 
-    args = parse_args(argv)
-    device = initialize(args)
+    settings = run_settings(parse_args(argv))
+    device = initialize(settings)
     try:
-        run = setup(args, device)
+        run = setup(settings, device)
         run.source.close()
         return run.trainer.update.enabled
     finally:
