@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from bench import publish_report
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -89,11 +90,7 @@ def main(argv=None) -> None:
             if round_ >= args.warmup:
                 rates[name].append(tokens / seconds)
     report = render(args, launcher_flags, run_args, device, rates, skipped, len(prompts))
-    print(report)
-    if args.out is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(report)
+    publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from bench import publish_report
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.device.microbatches import RowLayout
@@ -370,11 +371,7 @@ def main(argv=None):
     peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
         report = render(args, device, config, variants, syncs, per_round, issue, device_ms, flops, tokens, peak)
-        print(report)
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                f.write(report)
+        publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from bench import publish_report
 from megatron_r3.rl import run as rl_run
 from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
@@ -103,11 +104,7 @@ def main(argv=None) -> None:
                         flush=True)
     if dist.get_rank() == dist.get_world_size() - 1:
         report = render(args, seconds)
-        print(report)
-        if args.out is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                f.write(report)
+        publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
