@@ -247,11 +247,11 @@ def _dispatch_worker(layout, flags, bias):
 
 @pytest.mark.parametrize("layout, flags, bias, on_device", [
     (Layout(), ["--moe-grouped-gemm"], False, True),
-    (Layout(), ["--no-moe-grouped-gemm"], False, False),  # SequentialMLP takes host counts
+    # Experts that need host counts read them back themselves (SequentialMLP: tokens_per_expert.tolist()).
+    (Layout(), ["--no-moe-grouped-gemm"], False, True),
+    (Layout(), ["--moe-grouped-gemm"], True, True),  # biases run SequentialMLP.forward
     (Layout(ep=2, dp=2), ["--moe-grouped-gemm"], False, False),  # the all-to-all needs host split sizes
-    (Layout(), ["--moe-grouped-gemm"], True, False),  # biases run SequentialMLP.forward
-], ids=["grouped", "sequential", "ep2", "bias"])
-def test_the_dispatcher_leaves_counts_on_the_device_only_for_grouped_experts_on_one_rank(layout, flags, bias,
-                                                                                           on_device):
+], ids=["grouped", "sequential", "bias", "ep2"])
+def test_the_dispatcher_leaves_counts_on_the_device_on_one_expert_rank(layout, flags, bias, on_device):
     for per_layer in run_workers(_dispatch_worker, layout.world_size, layout, flags, bias):
         assert per_layer == [on_device] * len(MODEL.moe_layers)
