@@ -39,7 +39,7 @@ from bench import publish_report
 from megatron_r3.rl import run as rl_run
 from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
-from megatron_r3.rl.run import RunSettings
+from megatron_r3.rl.run_settings import RunSettings
 from tests.support.reference_stack import OldLoopStack
 from tools.synthetic_rollout_dump import write_synthetic_dump
 

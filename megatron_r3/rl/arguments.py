@@ -27,7 +27,7 @@ from megatron_r3.rl.rollout.engine import SamplingParams
 from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
 from megatron_r3.rl.rollout.sources import RolloutSettings
 from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
-from megatron_r3.rl.run import CheckpointSettings, LoggingSettings, RunSettings
+from megatron_r3.rl.run_settings import CheckpointSettings, LoggingSettings, RunSettings
 from megatron_r3.rl.run_checks import data_parallel_size, relation_problems, value_problems
 from megatron_r3.rl.trainer.policy_trainer import REPLAY_MODES, PolicyUpdateSettings
 from megatron_r3.rl.trainer.training_stack import (

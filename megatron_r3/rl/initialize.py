@@ -7,7 +7,7 @@ created (its metrics file), so that a restarted attempt (``--max-restarts``) car
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -15,9 +15,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_r3.rl.model.factory import ParallelSettings
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
+from megatron_r3.rl.run_settings import RunSettings
 
-if TYPE_CHECKING:  # megatron_r3.rl.run imports this module
-    from megatron_r3.rl.run import RunSettings
 
 
 def init_model_parallel(parallel: ParallelSettings, *, create_gloo_process_groups: bool = True) -> None:
