@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from bench import publish_report
@@ -96,6 +97,8 @@ def parse_args(argv=None):
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                         help="the layers (default: TransformerEngine's where installed, as the launcher)")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    parser.add_argument("--moe-router-fusion", action="store_true",
+                        help="TE's fused top-k and score function (replayed microbatches take the unfused path)")
     parser.add_argument("--moe-grouped-gemm-impl", choices=("transformer_engine", "torch"), default=None,
                         help="who runs the grouped experts with TE's layers (the launcher's flag)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
@@ -145,6 +148,7 @@ def build_model(args, device):
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
+        *(["--moe-router-fusion"] if args.moe_router_fusion else []),
         *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])
     settings = arguments.model_settings(flags)
@@ -245,6 +249,11 @@ def layer_symbols(args) -> str:
     if args.hybrid_layer_pattern is None:
         return "*E" * args.num_layers
     return args.hybrid_layer_pattern.replace("|", "")
+
+
+def experts_class(model) -> str:
+    """The class that runs the experts of the model's MoE layers (TEGroupedMLP, GroupedGemmExperts, ...)."""
+    return next(type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer))
 
 
 def model_description(args) -> str:
@@ -370,13 +379,14 @@ def main(argv=None):
 
     peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
-        report = render(args, device, config, variants, syncs, per_round, issue, device_ms, flops, tokens, peak)
+        report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, device_ms,
+                        flops, tokens, peak)
         publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def render(args, device, config, variants, syncs, per_round, issue, device_ms, flops, tokens, peak) -> str:
+def render(args, device, config, experts, variants, syncs, per_round, issue, device_ms, flops, tokens, peak) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
     command += shlex.join(sys.argv[1:])
@@ -394,7 +404,8 @@ def render(args, device, config, variants, syncs, per_round, issue, device_ms, f
         f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
         f"({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size} "
         f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, layers "
-        f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}; "
+        f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}"
+        f"{', router fusion' if config.moe_router_fusion else ''}, experts `{experts}`; "
         f"{args.microbatches} microbatches per rank, each a row of {args.seq_length} tokens holding "
         f"{args.micro_batch_size} samples: {data}. {args.rounds} rounds x {args.steps} passes per variant. "
         f"Model FLOPs per pass and rank: {flops / 1e12:.2f} TFLOP over {tokens} tokens (3x the forward's "
