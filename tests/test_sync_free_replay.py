@@ -7,7 +7,9 @@ import pytest
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_r3.layers.transformer_impl import transformer_engine_installed
 from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.batches import layout_microbatches, make_sequences
@@ -127,19 +129,33 @@ def launcher_update_pass_worker(argv, fillers):
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         run.source.close()
+        experts = [layer.experts for layer in trainer.chunks[0].modules() if isinstance(layer, MoELayer)]
         return {"syncs": counts["sync_debug"] + counts["waits"], "host_split": result.host_split_microbatches,
-                "microbatches": len(result.items)}
+                "microbatches": len(result.items),
+                "device_counts": all(getattr(e, "takes_device_tokens_per_expert", False) for e in experts)}
     finally:
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("experts", ["grouped", "sequential"])
+# Experts flags, and whether those experts take their token counts on the device: torch's grouped
+# experts (GroupedGemmExperts) do; SequentialMLP and TE's TEGroupedMLP (the launcher's grouped
+# experts where TE is installed) wait for them on the host.
+LAUNCHER_EXPERTS = {
+    "grouped": ((), not transformer_engine_installed()),
+    "torch-grouped": (("--moe-grouped-gemm-impl", "torch"), True),
+    "sequential": (("--no-moe-grouped-gemm",), False),
+}
+
+
+@pytest.mark.parametrize("experts", sorted(LAUNCHER_EXPERTS))
 def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
-    argv = ["--moe-enable-routing-replay", "--train-iters", "1", *(["--no-moe-grouped-gemm"] * (experts == "sequential"))]
+    flags, device_counts = LAUNCHER_EXPERTS[experts]
+    argv = ["--moe-enable-routing-replay", "--train-iters", "1", *flags]
     (result,) = run_workers(launcher_update_pass_worker, 1, argv, True, backend="nccl")
     assert result["syncs"] == 0 and result["host_split"] == result["microbatches"] > 0
     # Without fillers the final tokens route live, so no host split sizes: Megatron's device path,
-    # where SequentialMLP waits for each layer's counts and grouped experts read them on the device.
+    # where only experts that take device counts run without a sync.
     (result,) = run_workers(launcher_update_pass_worker, 1, argv, False, backend="nccl")
     assert result["host_split"] == 0
-    assert result["syncs"] > 0 if experts == "sequential" else result["syncs"] == 0
+    assert result["device_counts"] == device_counts
+    assert result["syncs"] == 0 if device_counts else result["syncs"] > 0
