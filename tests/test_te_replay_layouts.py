@@ -118,26 +118,14 @@ THD_LAYOUTS = {
 }
 
 
-# Seen on 2 x H100, TE 2.20.2, 2026-11-26 (issue 28, open): the routes taken and recorded are the
-# forced ones, but the losses or gradients are not the single GPU's. Strict: a fix shows up here.
-KNOWN_FAILURES = {
-    "pp2-vp2": "TE layers under interleaved 1F1B: per-token losses differ by up to 2.0 from one GPU's",
-}
-
-
-def _layout_names(layouts):
-    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name]))
-            if name in KNOWN_FAILURES else name for name in sorted(layouts)]
-
-
-@pytest.mark.parametrize("name", _layout_names(BSHD_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(BSHD_LAYOUTS))
 def test_te_bshd_layout_replays_forced_routes(name, bshd_reference):
     layout, flags = BSHD_LAYOUTS[name]
     result = _result(_run(layout, BSHD_DATA, _step(*flags), BSHD_FORCED), BSHD_DATA, BSHD_FORCED)
     _assert_close(result, bshd_reference)
 
 
-@pytest.mark.parametrize("name", _layout_names(THD_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(THD_LAYOUTS))
 def test_te_packed_layout_replays_forced_routes(name, thd_reference):
     layout, flags = THD_LAYOUTS[name]
     result = _result(_run(layout, THD_DATA, _step(*flags), THD_FORCED), THD_DATA, THD_FORCED)

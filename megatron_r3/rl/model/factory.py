@@ -225,9 +225,11 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
         persist_layer_norm=False,
         # The loss is a sum over tokens; the step divides by the iteration's token count.
         calculate_per_token_loss=True,
-        # gloo (CPU) pairs batched sends and receives by order and swaps them when both go to
-        # the same peer (PP=2); separate isend/irecv are right on every backend.
-        batch_p2p_comm=device.type == "cuda",
+        # Point-to-point messages carry no tags: gloo and NCCL pair one batch's sends and receives
+        # to the same peer by order, and at PP=2 the interleaved schedule batches an activation
+        # and a gradient to that one peer, which then land in each other's buffers (Megatron-LM
+        # #750). Megatron's separate isend/irecv send the two directions on different groups.
+        batch_p2p_comm=False,
     )
     return TransformerConfig(**from_settings, **{**fixed, **fields})
 

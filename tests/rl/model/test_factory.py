@@ -111,3 +111,14 @@ def test_expert_tensor_parallel_size_reaches_the_parallel_state_and_the_experts(
         assert result == {"etp": 2, "local_experts": 8, "fc1": (64, 128), "fc1_bias": None}
     for result in whole:
         assert result == {"etp": 1, "local_experts": 4, "fc1": (128, 128), "fc1_bias": (128,)}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_pipeline_messages_are_never_batched(device):
+    """At PP=2 with virtual stages a batched exchange swaps an activation and a gradient bound for the same
+    peer (untagged point-to-point messages pair by order, on gloo and NCCL alike): every device gets
+    Megatron's separate sends and receives."""
+    args = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                       "--num-virtual-stages-per-pipeline-rank", "2"])
+    config = transformer_config(model_settings(args), torch.device(device))
+    assert config.virtual_pipeline_model_parallel_size == 2 and not config.batch_p2p_comm
