@@ -38,6 +38,7 @@ of one GPU with one expert rank (each data-parallel rank runs its own engine).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -52,6 +53,7 @@ from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
 from megatron_r3.rl.rollout.weight_lag import LaggedWeights
 
 FLASH_ATTN_MIN_VERSION = "2.7.3"  # Attention.forward's assertion for dynamic batching (megatron-core 0.19.2)
+FLASH_ATTN_4_MIN_VERSION = "4.0.0b20"  # the flash-attn-4 megatron-core 0.19.2 uses (attention.HAVE_FA4)
 BLOCK_SIZE_TOKENS = 256  # the KV cache's block, Megatron's default
 
 
@@ -89,15 +91,31 @@ def flash_attention_problem() -> Optional[str]:
 
     if attention.HAVE_FA3 or attention.HAVE_FA4:
         return None
-    try:
-        if is_fa_min_version(FLASH_ATTN_MIN_VERSION):
-            return None
-        from megatron.core.utils import get_fa_version
-        found = f"flash-attn {get_fa_version()} is installed"
-    except ImportError:  # get_fa_version imports flash_attn
-        found = "flash-attn is not installed"
+    found = unusable_flash_attn_4()
+    if found is None:
+        try:
+            if is_fa_min_version(FLASH_ATTN_MIN_VERSION):
+                return None
+            from megatron.core.utils import get_fa_version
+            found = f"flash-attn {get_fa_version()} is installed"
+        except ImportError:  # get_fa_version imports flash_attn
+            found = "flash-attn is not installed"
     return (f"its attention (Attention.flash_decode_and_prefill) needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
             f"or flash-attn 3/4, and {found}")
+
+
+def unusable_flash_attn_4() -> Optional[str]:
+    """Why an installed ``flash-attn-4`` is not what Megatron-Core runs (its kernels fail to import, or it
+    is older than Megatron-Core asks), or None where none is installed."""
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: F401  (what Megatron-Core imports)
+    except ImportError as e:
+        return f"flash-attn-4 {version} is installed but does not import: {e}"
+    return f"flash-attn-4 {version} is installed, older than the {FLASH_ATTN_4_MIN_VERSION} Megatron-Core uses"
 
 
 class TokenIdTokenizer:

@@ -2,6 +2,8 @@
 its router recording kept to its own routers; on a GPU, the loop replaying the routes it records."""
 
 import dataclasses
+import importlib.metadata
+import sys
 
 import numpy as np
 import pytest
@@ -208,3 +210,15 @@ def test_the_loop_with_megatrons_engine_replays_the_routes_it_records():
     assert mean(megatron, "mismatch/replay/k3_kl") < mean(megatron, "mismatch/live/k3_kl")
     assert mean(megatron, "mismatch/replay/logp_abs_diff") <= 2 * mean(local, "mismatch/replay/logp_abs_diff")
     assert mean(megatron, "routing/agreement") >= mean(local, "routing/agreement") - 0.1
+
+
+def test_an_installed_flash_attn_4_that_does_not_import_is_named_with_its_error(monkeypatch):
+    """FlashAttention-4 without its CuTe DSL (seen on an H200: `No module named 'cutlass.cute'`) is reported as
+    such, not as flash-attn missing."""
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "4.0.0b36" if name == "flash-attn-4" else real_version(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # its import raises ImportError
+    problem = flash_attention_problem()
+    assert "flash-attn-4 4.0.0b36 is installed but does not import: " in problem
+    assert "flash_attn.cute" in problem and "needs flash-attn >= 2.7.3 or flash-attn 3/4" in problem
