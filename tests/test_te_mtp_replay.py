@@ -6,12 +6,12 @@ layer is MoE. The MTP layer is layer ``num_layers + 1`` of ``MoERouting``. A rec
 routes live and records every MoE layer, the MTP one included; replaying that recording must
 take exactly the recorded experts in every layer and give the recording pass's loss and
 gradients, the MTP router's included. Forced random routes are taken as given, in the MTP layer
-too, and move the loss.
+too, and move the experts' gradients.
 
 Tolerance: the replayed pass runs the recording pass's kernels on the same inputs and experts,
 so it differs only where a kernel is not deterministic; bf16 rounds each product to 8 mantissa
 bits, so 1e-2 on losses of about ln(64) and 5% of a gradient's largest entry are far above that
-and far below what one moved route changes (the forced-routes check).
+and far below what other experts change (the forced-routes check).
 """
 
 import pytest
@@ -126,13 +126,16 @@ def test_mtp_layers_replay_on_te_layers():
         assert torch.equal(taken[layer], live_taken[layer]), f"layer {layer}: the replay took other experts"
     assert abs(loss - live_loss) <= LOSS_ATOL * BATCH * SEQ
     routers = [name for name in live_grads if "router" in name]
-    assert any(".mtp." in name for name in routers), routers
+    assert any(name.startswith("mtp.") for name in routers), routers
     for name, grad in live_grads.items():
         scale = grad.abs().max().clamp(min=1e-12)
         assert (grads[name] - grad).abs().max() <= GRAD_RTOL * scale, name
     for name in routers:
         assert grads[name].abs().max() > 0, f"{name}: no gradient under replay"
-    forced_loss, _, forced_taken = out["forced"]
+    _, forced_grads, forced_taken = out["forced"]
     for row, layer in enumerate(out["layers"]):
         assert torch.equal(forced_taken[layer], _routing_map(out["forced_ids"][row])), f"layer {layer}: not forced"
-    assert abs(forced_loss - live_loss) > LOSS_ATOL * BATCH * SEQ, "forced routes did not change the loss"
+    # Other experts take the tokens, so the experts' gradients move far beyond the replay's tolerance.
+    moved = [name for name, grad in live_grads.items() if ".experts." in name and (
+        forced_grads.get(name, torch.zeros_like(grad)) - grad).abs().max() > GRAD_RTOL * grad.abs().max()]
+    assert any(name.startswith("mtp.") for name in moved), f"forced routes moved only {moved}"
