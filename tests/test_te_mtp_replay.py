@@ -19,6 +19,15 @@ import torch
 
 from megatron_r3.layers.transformer_impl import transformer_engine_installed
 from tests.support.launcher import run_workers
+from tests.unit_tests.transformer.moe.moe_routing_utils import (
+    NUM_EXPERTS,
+    TOPK,
+    VOCAB,
+    as_routing_map,
+    make_batch,
+    random_routes,
+    routing_maps,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,9 +36,6 @@ pytestmark = [
 ]
 
 NUM_LAYERS = 2
-NUM_EXPERTS = 8
-TOPK = 2
-VOCAB = 64
 SEQ, BATCH = 16, 2
 LOSS_ATOL = 1e-2
 GRAD_RTOL = 5e-2
@@ -51,29 +57,18 @@ def _model(device):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=True)
     model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ, mtp_block_spec=mtp).to(device)
-    return config, model
+    return model
 
 
 def _pass(model, batch, routing):
     """Loss (summed), the gradients, and the routing map each router took: one forward and backward."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    taken, handles = {}, []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            def hook(router, args, output):
-                taken[router.moe_routing_layer_number] = output[1].detach().clone()
-            handles.append(module.register_forward_hook(hook))
     tokens, position_ids, labels = batch
     model.zero_grad(set_to_none=True)
-    try:
+    with routing_maps(model) as seen:
         loss = model(tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing}).sum()
         loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
     grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, taken
+    return loss.item(), grads, {layer: maps[0] for layer, maps in seen.items()}
 
 
 def mtp_replay_worker():
@@ -87,19 +82,15 @@ def mtp_replay_worker():
     try:
         tensor_parallel.model_parallel_cuda_manual_seed(3)
         torch.manual_seed(3)
-        config, model = _model(device)
-        gen = torch.Generator().manual_seed(5)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
-        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
-        position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(BATCH, -1)
-        batch = (tokens, position_ids, labels)
+        model = _model(device)
+        batch = tuple(t.to(device) for t in make_batch(BATCH, SEQ, seed=5))
         layers = [NUM_LAYERS, NUM_LAYERS + 1]  # the decoder's MoE layer and the MTP depth's
 
         recording = MoERouting(layers, record=True)
         live = _pass(model, batch, recording)
         recorded = recording.recorded_expert_ids()
         replayed = _pass(model, batch, MoERouting(layers, expert_ids=recorded))
-        forced_ids = torch.rand(len(layers), BATCH * SEQ, NUM_EXPERTS, generator=gen).topk(TOPK, -1).indices
+        forced_ids = random_routes(len(layers), BATCH * SEQ, seed=6)
         forced = _pass(model, batch, MoERouting(layers, expert_ids=forced_ids.to(device)))
         return {"layers": layers, "recorded": recorded.cpu(), "forced_ids": forced_ids,
                 "live": _cpu(live), "replayed": _cpu(replayed), "forced": _cpu(forced)}
@@ -112,17 +103,13 @@ def _cpu(result):
     return loss, {k: v.cpu() for k, v in grads.items()}, {k: v.cpu() for k, v in taken.items()}
 
 
-def _routing_map(ids):
-    return torch.zeros(ids.shape[0], NUM_EXPERTS, dtype=torch.bool).scatter(1, ids, True)
-
-
 def test_mtp_layers_replay_on_te_layers():
     (out,) = run_workers(mtp_replay_worker, 1, backend="nccl", timeout=300)
     live_loss, live_grads, live_taken = out["live"]
     loss, grads, taken = out["replayed"]
     assert sorted(live_taken) == out["layers"], "the MTP depth's MoE layer did not route"
     for row, layer in enumerate(out["layers"]):
-        assert torch.equal(live_taken[layer], _routing_map(out["recorded"][row])), f"layer {layer}: recorded != live"
+        assert torch.equal(live_taken[layer], as_routing_map(out["recorded"][row])), f"layer {layer}: recorded != live"
         assert torch.equal(taken[layer], live_taken[layer]), f"layer {layer}: the replay took other experts"
     assert abs(loss - live_loss) <= LOSS_ATOL * BATCH * SEQ
     routers = [name for name in live_grads if "router" in name]
@@ -134,7 +121,7 @@ def test_mtp_layers_replay_on_te_layers():
         assert grads[name].abs().max() > 0, f"{name}: no gradient under replay"
     _, forced_grads, forced_taken = out["forced"]
     for row, layer in enumerate(out["layers"]):
-        assert torch.equal(forced_taken[layer], _routing_map(out["forced_ids"][row])), f"layer {layer}: not forced"
+        assert torch.equal(forced_taken[layer], as_routing_map(out["forced_ids"][row])), f"layer {layer}: not forced"
     # Other experts take the tokens, so the experts' gradients move far beyond the replay's tolerance.
     moved = [name for name, grad in live_grads.items() if ".experts." in name and (
         forced_grads.get(name, torch.zeros_like(grad)) - grad).abs().max() > GRAD_RTOL * grad.abs().max()]
