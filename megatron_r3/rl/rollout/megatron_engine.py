@@ -91,15 +91,16 @@ def flash_attention_problem() -> Optional[str]:
 
     if attention.HAVE_FA3 or attention.HAVE_FA4:
         return None
-    found = unusable_flash_attn_4()
-    if found is None:
-        try:
-            if is_fa_min_version(FLASH_ATTN_MIN_VERSION):
-                return None
-            from megatron.core.utils import get_fa_version
-            found = f"flash-attn {get_fa_version()} is installed"
-        except ImportError:  # get_fa_version imports flash_attn
-            found = "flash-attn is not installed"
+    try:
+        if is_fa_min_version(FLASH_ATTN_MIN_VERSION):
+            return None
+        from megatron.core.utils import get_fa_version
+        found = f"flash-attn {get_fa_version()} is installed"
+    except ImportError:  # get_fa_version imports flash_attn
+        found = "flash-attn is not installed"
+    flash_attn_4 = unusable_flash_attn_4()
+    if flash_attn_4 is not None:
+        found += f", and {flash_attn_4}"
     return (f"its attention (Attention.flash_decode_and_prefill) needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
             f"or flash-attn 3/4, and {found}")
 
