@@ -41,3 +41,16 @@ def megatron_on_cpu(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+
+
+@pytest.fixture(autouse=True)
+def _megatron_on_cpu_before_setup_method(request):
+    """A test that uses ``megatron_on_cpu`` gets it before its class's ``setup_method``.
+
+    ``setup_method`` runs as an autouse fixture of the class, ahead of fixtures named by
+    ``usefixtures``; there ``Utils.initialize_model_parallel`` seeds Megatron's RNG tracker,
+    which on a GPU node would then hold CUDA generator states that the CPU test's forward
+    cannot set ("Expected a CPUGeneratorImplState"). Autouse fixtures of this file run first.
+    """
+    if "megatron_on_cpu" in request.fixturenames:
+        request.getfixturevalue("megatron_on_cpu")

@@ -14,7 +14,9 @@ from megatron.core import jit
 
 
 def test_importing_megatron_core_does_not_import_the_compiler():
-    code = ("import sys, megatron.core, megatron.core.models.gpt, megatron.core.transformer.moe.router, "
+    # TransformerEngine imports TorchDynamo itself: it is hidden (Megatron imports without it),
+    # so that the check is of Megatron's own decorators on a machine with TE too.
+    code = ("import sys; sys.modules['transformer_engine'] = None; import megatron.core, megatron.core.models.gpt, megatron.core.transformer.moe.router, "
             "megatron.core.fusions.fused_bias_geglu; "
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor.compile_fx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -46,6 +48,7 @@ def _expert_bias_updates(fields, flags):
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from tests.support.launcher import worker_device
     from tests.support.parallel import Layout, init_parallel
     from tests.support.tiny_moe import build_gpt
 
@@ -55,8 +58,9 @@ def _expert_bias_updates(fields, flags):
     init_parallel(Layout())
     try:
         _, (chunk,) = build_gpt(Layout(), seed=0, flags=flags, **fields)
-        tokens = torch.randint(64, (1, 16))
-        chunk(input_ids=tokens, position_ids=torch.arange(16)[None], attention_mask=None)
+        device = worker_device()
+        tokens = torch.randint(64, (1, 16), device=device)
+        chunk(input_ids=tokens, position_ids=torch.arange(16, device=device)[None], attention_mask=None)
         return len(calls)
     finally:
         TopKRouter._apply_expert_bias = original
