@@ -329,3 +329,17 @@ def test_a_node_id_relative_to_a_folder_above_the_side_names_the_same_test():
     plain = "tests/unit_tests/transformer/moe/test_routers.py::TestTop2Router::test_forward[1]"
     assert nodeid_key("build/upstream-tests/pristine/" + plain) == nodeid_key(plain)
     assert nodeid_key("build/upstream-tests/patched/" + plain) == nodeid_key(plain)
+
+
+def test_a_file_that_does_not_import_is_named_with_its_error(upstream, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out) == 0
+    broken = out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py"
+    broken.write_text("from megatron.core import NOT_THERE\n\ndef test_b():\n    pass\n")
+    code = ut.main(["run", "--bundle", str(out), "--out", str(tmp_path / "results"),
+                    "--launcher", "plain", "--sides", "patched", "--tests", "tests/unit_tests/moe/",
+                    "--timeout", "5", "--grace", "1", "--side-timeout", "60"])
+    assert code == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "COLLECTION ERROR" in line]
+    assert len(lines) == 1
+    assert "tests/unit_tests/moe/test_a.py" in lines[0] and "NOT_THERE" in lines[0]

@@ -677,6 +677,8 @@ class Progress:
                     f"{outcome.upper()} {rec['nodeid']} ({rec.get('seconds', 0):.2f}s){msg}")
         elif rec.get("event") == "session" and rank == 0:
             log(f"{self.side}: megatron.core {rec.get('version')} from {rec.get('core_file')}")
+        elif rec.get("event") == "collect_error" and rank == 0:
+            log(f"{self.side} rank{rank} COLLECTION ERROR {rec['nodeid']} -- {rec['message']}")
 
     def heartbeat(self, every=30.0):
         now = time.monotonic()

@@ -137,6 +137,15 @@ def _watchdog_fired(nodeid, seconds):
     os._exit(3)
 
 
+def pytest_collectreport(report):
+    # A file that fails to import adds no test ids: without this its error is seen nowhere
+    # but in the side's own log, and the two sides' test counts differ unexplained.
+    if report.failed:
+        message = getattr(report.longrepr, "longrepr", None) or str(report.longrepr)
+        _emit({"event": "collect_error", "nodeid": report.nodeid,
+               "message": str(message).strip().splitlines()[-1][:500]})
+
+
 def pytest_runtest_logstart(nodeid, location):
     _STATE["current"] = {"nodeid": nodeid, "start": time.monotonic(), "phases": {}}
     _emit({"event": "start", "nodeid": nodeid})
