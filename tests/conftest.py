@@ -44,13 +44,13 @@ def megatron_on_cpu(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _megatron_on_cpu_before_setup_method(request):
-    """A test that uses ``megatron_on_cpu`` gets it before its class's ``setup_method``.
+def _tests_without_the_gpu_marker_see_no_gpu(request):
+    """A test without the ``gpu`` marker runs as on a machine without GPUs, on a GPU node too.
 
-    ``setup_method`` runs as an autouse fixture of the class, ahead of fixtures named by
-    ``usefixtures``; there ``Utils.initialize_model_parallel`` seeds Megatron's RNG tracker,
-    which on a GPU node would then hold CUDA generator states that the CPU test's forward
-    cannot set ("Expected a CPUGeneratorImplState"). Autouse fixtures of this file run first.
+    Its checks (tolerances, device placement) are the ones a CPU run verifies, and its workers
+    then start on gloo (``default_backend``), as in CI; GPU behaviour is what gpu-marked tests
+    check. Autouse fixtures of this file run before a class's ``setup_method``, so Megatron's
+    RNG tracker, seeded there, holds CPU generator states.
     """
-    if "megatron_on_cpu" in request.fixturenames:
+    if request.node.get_closest_marker("gpu") is None:
         request.getfixturevalue("megatron_on_cpu")

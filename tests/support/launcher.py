@@ -38,7 +38,10 @@ class WorkerError(RuntimeError):
 
 
 def default_backend(world_size: int) -> str:
-    """NCCL when every rank can have its own visible GPU, gloo otherwise."""
+    """NCCL when every rank can have its own visible GPU, gloo otherwise.
+
+    Tests without the ``gpu`` marker see no GPU (``tests/conftest.py``), so theirs is gloo.
+    """
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"

@@ -1,10 +1,9 @@
-"""The ``megatron_on_cpu`` fixture is in place before a test class's ``setup_method``, which
-seeds Megatron's RNG tracker (on a GPU node the states must be the CPU generator's)."""
+"""A test without the ``gpu`` marker sees a machine without GPUs from before its class's
+``setup_method`` (which seeds Megatron's RNG tracker) on, and its workers start on gloo."""
 
-import pytest
 import torch
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
+from tests.support.launcher import default_backend
 
 
 class TestSetupMethodSeesTheCpu:
@@ -16,3 +15,6 @@ class TestSetupMethodSeesTheCpu:
     def test_setup_method_runs_with_the_cpu_view(self):
         assert self.cuda_check_patched
         assert not self.cuda_available_in_setup and self.accelerator_in_setup is None
+
+    def test_workers_start_on_gloo(self):
+        assert default_backend(1) == default_backend(2) == "gloo"
