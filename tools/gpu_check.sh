@@ -36,7 +36,8 @@ tests() {
     echo "NCCL workers from the forkserver failed: falling back to R3_NCCL_WORKERS=spawn" | tee -a "$out/nccl_smoke.log"
     export R3_NCCL_WORKERS=spawn
   fi
-  timeout "$limit" .venv/bin/python -m pytest -p no:cacheprovider -v -rfE -m gpu tests --durations=30 \
+  # SIGINT at the limit: pytest stops and still prints the failures it has (SIGTERM loses them)
+  timeout -s INT -k 30 "$limit" .venv/bin/python -m pytest -p no:cacheprovider -v -rfE -m gpu tests --durations=30 \
     > "$out/gpu_tests.log" 2>&1
   echo "gpu tests exit status: $? (124: cut after $limit s)" | tee -a "$out/gpu_tests.log"
   grep -E "::.* (PASSED|FAILED|ERROR|XFAIL|XPASS)" "$out/gpu_tests.log" | grep -vc PASSED | xargs echo "not passed:"
@@ -83,7 +84,7 @@ bench() {
 }
 
 suite() {
-  timeout "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
+  timeout -s INT -k 30 "${SUITE_LIMIT:-480}" make test PYTEST_ARGS="-p no:cacheprovider -v -rfE --durations=30 --junitxml=$out/junit.xml" \
     > "$out/test.log" 2>&1
   echo "make test exit status: $?" | tee -a "$out/test.log"
   tail -40 "$out/test.log"
