@@ -343,3 +343,42 @@ def test_a_file_that_does_not_import_is_named_with_its_error(upstream, tmp_path,
     lines = [line for line in capsys.readouterr().out.splitlines() if "COLLECTION ERROR" in line]
     assert len(lines) == 1
     assert "tests/unit_tests/moe/test_a.py" in lines[0] and "NOT_THERE" in lines[0]
+
+
+def _load_plugin():
+    spec = importlib.util.spec_from_file_location("r3_plugin", ROOT / "tools" / "upstream_tests_plugin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("params,needed", [
+    ({}, None), ({"permute_fusion": True}, None), ({"tp_size": 1, "ep_size": 1}, 1),
+    ({"tp_size": 1, "ep_size": 8}, 8), ({"tp_size": 4, "ep_size": 2}, 8), ({"tp_size": 8, "ep_size": 1}, 8),
+    ({"tp_size": 2, "ep_size": 2, "moe_tp_size": 1}, 2), ({"tp_size": 2, "pp_size": 2}, 4),
+    ({"ep_size": 3, "tp_size": 2}, 6),
+])
+def test_ranks_needed_by_a_tests_parallel_sizes(params, needed):
+    assert _load_plugin().ranks_needed(params) == needed
+
+
+def test_tests_the_world_cannot_hold_are_not_run_unless_asked(upstream, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out) == 0
+    sized = textwrap.dedent("""\
+        import pytest
+
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 1), (2, 1), (1, 8)])
+        def test_sized(tp_size, ep_size):
+            assert tp_size * ep_size == 1
+        """)
+    (out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py").write_text(sized)
+    run = ["run", "--bundle", str(out), "--launcher", "plain", "--sides", "patched",
+           "--tests", "tests/unit_tests/moe/", "--timeout", "5", "--grace", "1", "--side-timeout", "60"]
+    ut.main(run + ["--out", str(tmp_path / "fit")])
+    ran = {v["id"].split("::")[-1]: v["outcome"] for v in ut.load_side(tmp_path / "fit" / "patched").values()}
+    assert ran == {"test_sized[1-1]": "passed"}
+    assert "2 tests need more ranks than the world of 1" in capsys.readouterr().out
+    ut.main(run + ["--out", str(tmp_path / "all"), "--all-sizes"])
+    ran = {v["id"].split("::")[-1]: v["outcome"] for v in ut.load_side(tmp_path / "all" / "patched").values()}
+    assert ran == {"test_sized[1-1]": "passed", "test_sized[2-1]": "failed", "test_sized[1-8]": "failed"}

@@ -677,6 +677,10 @@ class Progress:
                     f"{outcome.upper()} {rec['nodeid']} ({rec.get('seconds', 0):.2f}s){msg}")
         elif rec.get("event") == "session" and rank == 0:
             log(f"{self.side}: megatron.core {rec.get('version')} from {rec.get('core_file')}")
+        elif rec.get("event") == "deselected_for_world" and rank == 0:
+            log(f"{self.side}: {len(rec['nodeids'])} tests need more ranks than the world of "
+                f"{rec['world']} (tp*pp*cp or etp*ep*pp does not divide it): not run "
+                "(--all-sizes runs them)")
         elif rec.get("event") == "collect_error" and rank == 0:
             log(f"{self.side} rank{rank} COLLECTION ERROR {rec['nodeid']} -- {rec['message']}")
 
@@ -756,6 +760,8 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
             "--r3-skip", str(skip_file),
             "--r3-hard-timeout", str(args.timeout + args.grace),
         ]
+        if not args.all_sizes:
+            cmd += ["--r3-fit-world"]
         if has_timeout_plugin:
             cmd += ["--timeout", str(args.timeout), "--timeout-method", "signal"]
         if args.k:
@@ -1230,6 +1236,9 @@ def main(argv=None):
     r.add_argument("--side-timeout", type=float, default=270.0, dest="side_timeout",
                    help="overall budget of each side, seconds")
     r.add_argument("--sides", nargs="*", default=list(SIDES), choices=SIDES)
+    r.add_argument("--all-sizes", action="store_true", dest="all_sizes",
+                   help="also run tests whose parallel sizes the ranks cannot hold (they fail "
+                        "in setup, and upstream's MoE container can then deadlock the ranks)")
     r.add_argument("--python", default=sys.executable)
     r.add_argument("--launcher", choices=("torchrun", "plain"), default="torchrun",
                    help="plain: one `python -m pytest` process per side, no torchrun")

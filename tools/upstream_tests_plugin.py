@@ -22,6 +22,7 @@ No Megatron code is imported before the tests import it, except in pytest_config
 
 import faulthandler
 import json
+import math
 import os
 import sys
 import threading
@@ -38,6 +39,10 @@ def pytest_addoption(parser):
     group.addoption("--r3-side", default="?", help="name of the side under test")
     group.addoption("--r3-attempt", type=int, default=0, help="attempt number of this side")
     group.addoption("--r3-skip", default=None, help="file of test ids to deselect, one a line")
+    group.addoption(
+        "--r3-fit-world", action="store_true",
+        help="deselect tests whose parallel sizes the world cannot hold (see ranks_needed)",
+    )
     group.addoption(
         "--r3-hard-timeout", type=float, default=0.0,
         help="seconds after which a test still running ends the rank (0: no watchdog)",
@@ -92,7 +97,43 @@ def pytest_configure(config):
         )
 
 
+# Parallel sizes as Megatron's tests name them in their parameters.
+SIZE_PARAMS = {
+    "tp_size": "tp", "tensor_model_parallel_size": "tp", "pp_size": "pp",
+    "pipeline_model_parallel_size": "pp", "cp_size": "cp", "context_parallel_size": "cp",
+    "ep_size": "ep", "expert_model_parallel_size": "ep", "etp_size": "etp", "moe_tp_size": "etp",
+    "expert_tensor_parallel_size": "etp",
+}
+
+
+def ranks_needed(params):
+    """The smallest world that a test's parallel sizes fit, or None if it names none.
+
+    Megatron needs the world divisible by tp*pp*cp and by etp*ep*pp (etp defaults to tp).
+    A test asking for more raises in its setup on every rank, and upstream's MoE test
+    container then runs a world barrier from its finalizer whenever each rank's garbage
+    collector frees it: the ranks' barriers pair across tests and they deadlock.
+    """
+    sizes = {SIZE_PARAMS[name]: value for name, value in params.items()
+             if name in SIZE_PARAMS and isinstance(value, int) and value > 0}
+    if not sizes:
+        return None
+    tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
+    expert = sizes.get("etp", tp) * sizes.get("ep", 1) * pp
+    return math.lcm(tp * pp * cp, expert)
+
+
 def pytest_collection_modifyitems(session, config, items):
+    if config.getoption("--r3-fit-world"):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        too_big = [item for item in items if world % (ranks_needed(
+            getattr(getattr(item, "callspec", None), "params", {})) or 1) != 0]
+        if too_big:
+            config.hook.pytest_deselected(items=too_big)
+            dropped = {id(item) for item in too_big}
+            items[:] = [item for item in items if id(item) not in dropped]
+            _emit({"event": "deselected_for_world", "world": world,
+                   "nodeids": [item.nodeid for item in too_big]})
     skip_file = config.getoption("--r3-skip")
     if skip_file and os.path.exists(skip_file):
         with open(skip_file) as handle:
