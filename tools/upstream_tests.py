@@ -725,6 +725,8 @@ def finished_ids(results_dir):
 
 def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None):
     """Run one side under torchrun, attempt after attempt past hung or crashed tests."""
+    # The plugin is the tool's own: a bundle prepared by an older tool gets the current one.
+    shutil.copyfile(PLUGIN_SOURCE, root / f"{PLUGIN_NAME}.py")
     results = side_out / "results"
     results.mkdir(parents=True, exist_ok=True)
     env = side_environment(root, side_out, stubs)
