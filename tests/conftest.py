@@ -30,27 +30,17 @@ def megatron_sdist(tmp_path_factory):
     return os.path.abspath(path)
 
 
-@pytest.fixture
-def megatron_on_cpu(request, monkeypatch):
-    """Megatron in this process computes on the CPU, as on a machine without GPUs.
+@pytest.fixture(autouse=True)
+def _tests_without_the_gpu_marker_see_no_gpu(request, monkeypatch):
+    """A test without the ``gpu`` marker runs as on a machine without GPUs, on a GPU node too.
 
-    In-process model tests build CPU models; where a GPU is visible, Megatron's current
-    device (``get_current_device``) would be the GPU and its buffers would land there.
-    gpu-marked tests keep CUDA.
+    Megatron in this process then computes on the CPU (where a GPU is visible, its current
+    device, ``get_current_device``, would be the GPU and its buffers would land there), the
+    test's workers start on gloo (``default_backend``) and its checks (tolerances, device
+    placement) are the ones a CPU run verifies, as in CI; GPU behaviour is what gpu-marked tests
+    check. Autouse fixtures of this file run before a class's ``setup_method``, so Megatron's RNG
+    tracker, seeded there, holds CPU generator states.
     """
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
-
-
-@pytest.fixture(autouse=True)
-def _tests_without_the_gpu_marker_see_no_gpu(request):
-    """A test without the ``gpu`` marker runs as on a machine without GPUs, on a GPU node too.
-
-    Its checks (tolerances, device placement) are the ones a CPU run verifies, and its workers
-    then start on gloo (``default_backend``), as in CI; GPU behaviour is what gpu-marked tests
-    check. Autouse fixtures of this file run before a class's ``setup_method``, so Megatron's
-    RNG tracker, seeded there, holds CPU generator states.
-    """
-    if request.node.get_closest_marker("gpu") is None:
-        request.getfixturevalue("megatron_on_cpu")

@@ -6,8 +6,6 @@ from megatron.core.tensor_parallel import random as megatron_random
 
 from tests.support.replay import init_single_rank
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron():

@@ -15,8 +15,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 class _TwoLayers(MegatronModule):
     def __init__(self, config):

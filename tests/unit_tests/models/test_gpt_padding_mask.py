@@ -12,8 +12,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 class TestSequenceParallelPaddingMask:
 

@@ -31,8 +31,6 @@ from tests.unit_tests.transformer.moe.moe_routing_utils import (
 
 
 # In-process CPU models: Megatron must not pick up a visible GPU.
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 def _moe_numbers(pattern):
     """Global 1-based numbers of a main pattern's MoE layers."""

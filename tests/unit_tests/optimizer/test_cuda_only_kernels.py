@@ -20,8 +20,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.optimizer.test_optimizer_on_cpu import _model_and_optimizer, _step, _TwoLayers
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 def _cuda_only(*args, **kwargs):
     raise AssertionError("a CUDA-only kernel was handed CPU tensors")

@@ -14,8 +14,6 @@ from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 def _float16_optimizer(params):
     config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16)

@@ -18,8 +18,6 @@ from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 class TestMicrobatchPrefetchFunc:
     def setup_method(self, method):

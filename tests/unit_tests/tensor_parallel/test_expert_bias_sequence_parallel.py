@@ -9,14 +9,11 @@ gradients of every expert bias equal a single-rank run's under TP2+SP+EP2) is
 tests/test_layouts.py::test_layout_with_biases_matches_single_rank.
 """
 
-import pytest
 import torch
 
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
-
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
 
 
 class TestRowParallelBiasSequenceParallel:

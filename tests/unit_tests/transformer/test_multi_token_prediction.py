@@ -10,7 +10,6 @@ file's other upstream tests need ``megatron.training``; this one does not.
 import os
 import types
 
-import pytest
 import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -23,8 +22,6 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
-
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
 
 _SEED = 42
 

@@ -18,8 +18,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 class UpstreamSignatureLayer(TransformerLayer):
     """A custom layer with upstream's forward keywords (no moe_routing): a stand-in."""

@@ -20,8 +20,6 @@ from tests.unit_tests.test_utilities import Utils
 
 VOCAB = 64
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 def _gpt(seed=3, **overrides):
     fields = dict(

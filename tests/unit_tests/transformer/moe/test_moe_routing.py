@@ -43,8 +43,6 @@ from tests.unit_tests.transformer.moe.moe_routing_utils import (
 MOE_LAYERS = [2, 3, 4]
 
 # In-process CPU models: Megatron must not pick up a visible GPU.
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 def _config(**overrides):
     """A dense first layer and three MoE layers, replay enabled, no load balancing."""

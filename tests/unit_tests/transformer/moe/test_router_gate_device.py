@@ -14,8 +14,6 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
-pytestmark = pytest.mark.usefixtures("megatron_on_cpu")
-
 
 class TestRouterGateDevice:
 
