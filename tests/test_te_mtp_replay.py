@@ -44,6 +44,7 @@ GRAD_RTOL = 5e-2
 def _model(device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -57,7 +58,9 @@ def _model(device):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=True)
     model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ, mtp_block_spec=mtp).to(device)
-    return model
+    # Megatron's bf16 wrapper: GPTModel leaves some parameters (the learned position embedding, ...) in
+    # fp32 for it to cast, and TE's layers refuse fp32 inputs to bf16 weights outside autocast.
+    return Float16Module(config, model)
 
 
 def _pass(model, batch, routing):
@@ -67,7 +70,8 @@ def _pass(model, batch, routing):
     with routing_maps(model) as seen:
         loss = model(tokens, position_ids, None, labels=labels, extra_block_kwargs={"moe_routing": routing}).sum()
         loss.backward()
-    grads = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name.removeprefix("module."): p.grad.float().clone()  # the names of the GPTModel inside the wrapper
+             for name, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads, {layer: maps[0] for layer, maps in seen.items()}
 
 

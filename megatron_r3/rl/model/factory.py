@@ -234,13 +234,25 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
     return TransformerConfig(**from_settings, **{**fixed, **fields})
 
 
+def experts_grouped_gemm_impl(model: ModelSettings, config: TransformerConfig) -> str:
+    """Who runs the grouped experts of a model of ``config``: ``--moe-grouped-gemm-impl``, except for
+    the rollout engine's grouped experts over a policy of ``SequentialMLP`` experts (TE's layers
+    with ``--no-moe-grouped-gemm``): there torch's grouped GEMMs, whose parameters are
+    ``SequentialMLP``'s (``local_experts.<i>.linear_fc1.weight``), so the engine's lagged weights
+    copy over one to one; ``TEGroupedMLP``'s are ``linear_fc1.weight<i>``."""
+    requested = model.moe_grouped_gemm_impl
+    if config.moe_grouped_gemm and not model.moe_grouped_gemm:
+        requested = "torch"
+    return resolve_grouped_gemm_impl(requested, config.transformer_impl)
+
+
 def build_model(model: ModelSettings, config: TransformerConfig,
                 device: torch.device) -> list[Union[GPTModel, HybridModel]]:
     """This rank's model chunks, one per virtual pipeline stage: GPTModels, or HybridModels of
     ``model.hybrid_layer_pattern`` (each chunk builds its ``|`` segment); ``config`` from
     :func:`transformer_config`."""
     vp = config.virtual_pipeline_model_parallel_size
-    grouped_gemm_impl = resolve_grouped_gemm_impl(model.moe_grouped_gemm_impl, config.transformer_impl)
+    grouped_gemm_impl = experts_grouped_gemm_impl(model, config)
     pattern = model.hybrid_layer_pattern
     chunks = []
     for vp_stage in range(vp) if vp else [None]:

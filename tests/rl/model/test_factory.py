@@ -1,6 +1,8 @@
 """megatron_r3.rl.model.factory: the flags reach the TransformerConfig (through ModelSettings), and the
 routers take a MoERouting exactly when a pass gives them one."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -13,7 +15,7 @@ from megatron_r3.rl.arguments import (
     routers_take_moe_routing,
 )
 from megatron_r3.rl.initialize import init_model_parallel
-from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.model.factory import build_model, experts_grouped_gemm_impl, transformer_config
 from megatron_r3.rl.trainer.policy_trainer import PolicyTrainer
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout
@@ -70,6 +72,23 @@ def test_model_flags_reach_the_config():
     for flags in ([], ["--disable-bias-linear"]):
         config = transformer_config(model_settings(parse_args(["--tensor-model-parallel-size", "2", *flags])), CPU)
         assert config.expert_tensor_parallel_size == 2 and not config.add_bias_linear
+
+
+@pytest.mark.parametrize("flags, training, engine", [
+    ([], "transformer_engine", "transformer_engine"),  # TEGroupedMLP in both
+    (["--moe-grouped-gemm-impl", "torch"], "torch", "torch"),
+    # A policy of SequentialMLP experts: the engine's grouped experts must keep their parameters
+    # (torch's GroupedGemmExperts), not TEGroupedMLP's weight<i>, or its lagged weights cannot follow.
+    (["--no-moe-grouped-gemm"], None, "torch"),
+    (["--no-moe-grouped-gemm", "--moe-grouped-gemm-impl", "transformer_engine"], None, "torch"),
+])
+def test_the_rollout_engines_grouped_experts_keep_the_policys_parameters(flags, training, engine):
+    # TE's layers cannot be built here; the choice reads only these two config fields.
+    model = model_settings(parse_args(flags))
+    for config_grouped, expected in ((model.moe_grouped_gemm, training), (True, engine)):
+        config = SimpleNamespace(moe_grouped_gemm=config_grouped, transformer_impl="transformer_engine")
+        if expected is not None:  # (no grouped experts in training: the trainer's choice is not used)
+            assert experts_grouped_gemm_impl(model, config) == expected
 
 
 def test_fields_without_a_flag_replace_the_fixed_choices_and_a_flagged_field_is_refused():
