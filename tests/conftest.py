@@ -30,17 +30,23 @@ def megatron_sdist(tmp_path_factory):
     return os.path.abspath(path)
 
 
-@pytest.fixture(autouse=True)
-def _tests_without_the_gpu_marker_see_no_gpu(request, monkeypatch):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """A test without the ``gpu`` marker runs as on a machine without GPUs, on a GPU node too.
 
     Megatron in this process then computes on the CPU (where a GPU is visible, its current
     device, ``get_current_device``, would be the GPU and its buffers would land there), the
     test's workers start on gloo (``default_backend``) and its checks (tolerances, device
     placement) are the ones a CPU run verifies, as in CI; GPU behaviour is what gpu-marked tests
-    check. Autouse fixtures of this file run before a class's ``setup_method``, so Megatron's RNG
-    tracker, seeded there, holds CPU generator states.
+    check. The view covers the test's whole setup: the module- and session-scoped fixtures it
+    starts (the layout tests' single-rank references, which on 2 x H200 ran on NCCL while the
+    layouts ran on gloo, 3e-4 apart) and its class's ``setup_method`` (Megatron's RNG tracker,
+    seeded there, holds CPU generator states).
     """
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    if item.get_closest_marker("gpu") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+        yield

@@ -68,6 +68,9 @@ ACCEPTED_BASES = {
 LOCAL_LABEL = "r3"
 PACKAGE_INFO = Path("megatron/core/package_info.py")
 VERSION_LINE = "__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])"
+# package_info appends the commit of a git repository around the installed package (a venv inside
+# a project's checkout) as a local label of its own; after ours it must join with a dot (PEP 440).
+VCS_SUFFIX_LINE = "__version__ += f'+{_git.stdout.strip()}'"
 
 
 class SeriesError(RuntimeError):
@@ -110,11 +113,12 @@ def cpu_files():
 
 
 def series_digest():
-    """A digest of both series, so an install can tell it is up to date."""
+    """A digest of both series and of the version stamp, so an install can tell it is up to date."""
     digest = hashlib.sha256()
     for path in upstream_files() + cpu_files():
         digest.update(label(path).encode())
         digest.update(path.read_bytes())
+    digest.update(repr(version_stamps()).encode())  # a new stamp is a new install too
     return digest.hexdigest()[:16]
 
 
@@ -284,16 +288,23 @@ def check_series(sdist):
     print(f"{len(upstream)} upstream and {len(cpu)} CPU patches apply cleanly to {Path(sdist).name}")
 
 
+def version_stamps():
+    """The lines of package_info that build_tree replaces, and what it writes in their place."""
+    return [(VERSION_LINE, VERSION_LINE + f" + '+{LOCAL_LABEL}'"),
+            (VCS_SUFFIX_LINE, VCS_SUFFIX_LINE.replace("f'+", "f'."))]
+
+
 def build_tree(sdist, out):
     """Extract, patch and stamp the version: the tree `pip install` turns into 0.19.2+r3."""
     tree = extract_sdist(sdist, out)
     apply_series(tree, cpu=True)
     info = tree / PACKAGE_INFO
     text = info.read_text()
-    if text.count(VERSION_LINE) != 1:
-        raise SeriesError(f"cannot find the version line in {info}")
-    stamped = VERSION_LINE + f" + '+{LOCAL_LABEL}'"
-    info.write_text(text.replace(VERSION_LINE, stamped))
+    for line, stamped in version_stamps():
+        if text.count(line) != 1:
+            raise SeriesError(f"cannot find the line {line!r} in {info}")
+        text = text.replace(line, stamped)
+    info.write_text(text)
     version = ".".join(map(str, BASE_VERSION))
     print(f"patched tree ready at {tree} (megatron-core {version}+{LOCAL_LABEL})")
 

@@ -237,12 +237,13 @@ class PolicyTrainer:
                                      f"was saved (a weight or an activation overflowed?)")
         lr = get_canonical_lr_for_logging(self.stack.optimizer.param_groups)
         stepped, grad_norm, _ = self.stack.optimizer.step()
+        grad_norm = float(grad_norm)  # a one-element tensor where Megatron has a tensor scale kernel (TE)
         if not stepped:  # a norm that is not finite: the optimizer skipped the update
             raise NonFiniteStepError(f"the loss is {loss} and the gradient norm over all ranks is {grad_norm}: not "
                                      f"finite, so the optimizer did not step and nothing was saved (a weight or an "
                                      f"activation overflowed?)")
         self.stack.scheduler.step(increment=1)
-        return lr, float(grad_norm)
+        return lr, grad_norm
 
     def _old_logprob_pass(self, samples: Sequence[RolloutSample]):
         """R2: record the routes and log-probs of the current weights; the update replays them."""

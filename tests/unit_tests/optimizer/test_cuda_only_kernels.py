@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import megatron.core.optimizer as megatron_optimizer
-from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import clip_grads, distrib_optimizer
 from megatron.core.optimizer import optimizer as optimizer_module
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.optimizer import test_optimizer_on_cpu as on_cpu
 from tests.unit_tests.optimizer.test_optimizer_on_cpu import _model_and_optimizer, _step, _TwoLayers
 from tests.unit_tests.test_utilities import Utils
 
@@ -40,6 +41,10 @@ def cuda_only_kernels(monkeypatch):
                  "multi_tensor_scale_tensor_impl"):
         monkeypatch.setattr(clip_grads, name, _cuda_only)
     monkeypatch.setattr(optimizer_module, "multi_tensor_applier", _cuda_only)
+    # The distributed optimizer's view: TE's FusedAdam, which keeps one "step" per param group.
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    monkeypatch.setattr(distrib_optimizer, "Adam", _CudaOnlyOptimizer)
 
 
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
@@ -84,3 +89,10 @@ def test_the_float16_optimizers_copy_of_cpu_tensors(cuda_only_kernels):
     this, that = [torch.arange(3.0), torch.ones(2)], [torch.zeros(3), torch.zeros(2)]
     optimizer_module._multi_tensor_copy_this_to_that(this, that, torch.zeros(1, dtype=torch.int))
     assert all(torch.equal(a, b) for a, b in zip(this, that))
+
+
+@pytest.mark.usefixtures("cuda_only_kernels")
+class TestDistributedOptimizerCheckpointOfTorchsAdamWhereTeIsInstalled(
+        on_cpu.TestDistributedOptimizerCheckpointWithTorchOptim):
+    """The distributed optimizer saves and loads torch's per-parameter "step" of the torch AdamW it
+    runs for CPU parameters, not TE's per-group one (on 2 x H200 with TE: KeyError 'step')."""

@@ -13,7 +13,7 @@ import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.test_utilities import Utils
@@ -73,7 +73,11 @@ class TestTransformerBlockWithCustomLayers:
             attention_dropout=0.0,
             **config,
         )
-        return TransformerBlock(config, spec)
+        # A layer spec alone gets TE's final norm wherever TE is installed, a CUDA-only kernel; the
+        # block's final norm is the local spec's, as its layers' norms.
+        block_spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers,
+                                                layer_norm=spec.submodules.input_layernorm)
+        return TransformerBlock(config, block_spec)
 
     @pytest.mark.parametrize("recompute", ["none", "full"])
     def test_a_layer_class_without_moe_routing(self, recompute):
