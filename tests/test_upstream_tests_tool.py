@@ -359,6 +359,11 @@ def _load_plugin():
     ({"tp_size": 1, "ep_size": 8}, 8), ({"tp_size": 4, "ep_size": 2}, 8), ({"tp_size": 8, "ep_size": 1}, 8),
     ({"tp_size": 2, "ep_size": 2, "moe_tp_size": 1}, 2), ({"tp_size": 2, "pp_size": 2}, 4),
     ({"ep_size": 3, "tp_size": 2}, 6),
+    # tuples named by their parts, a checkpoint's source and destination layouts both
+    ({"tp_pp_ep": (2, 2, 1), "is_moe": False}, 4), ({"tp_pp": (1, 1)}, 1),
+    ({"src_tp_pp": (2, 4), "dest_tp_pp": (4, 1)}, 8), ({"src_tp_pp_exp": (1, 1, 4), "dest_tp_pp_exp": (2, 1, 1)}, 4),
+    ({"src_tp_pp_ep_etp": (2, 1, 2, 1), "dest_tp_pp_ep_etp": (1, 1, 1, 1)}, 2),
+    ({"tp_pp": (2, 2, 2)}, None), ({"step_size": (2, 2)}, None),  # not a layout: lengths or names differ
 ])
 def test_ranks_needed_by_a_tests_parallel_sizes(params, needed):
     assert _load_plugin().ranks_needed(params) == needed

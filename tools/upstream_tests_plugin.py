@@ -106,21 +106,42 @@ SIZE_PARAMS = {
 }
 
 
+# Tuple-valued sizes, named by their parts: tp_pp_ep (2, 2, 1); src_/dest_ for a checkpoint's two layouts.
+TUPLE_SIZE_PARTS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "exp": "ep", "etp": "etp"}
+
+
+def _layouts(params):
+    """The parallel layouts a test's parameters name: one of its scalar sizes (tp_size, ...), and
+    one per tuple of sizes (tp_pp_ep=(2, 2, 1), src_tp_pp=(2, 4), dest_tp_pp_ep_etp=(...))."""
+    scalar = {SIZE_PARAMS[name]: value for name, value in params.items()
+              if name in SIZE_PARAMS and isinstance(value, int) and value > 0}
+    layouts = [scalar] if scalar else []
+    for name, value in params.items():
+        parts = name.removeprefix("src_").removeprefix("dest_").split("_")
+        if (len(parts) > 1 and all(part in TUPLE_SIZE_PARTS for part in parts)
+                and isinstance(value, (tuple, list)) and len(value) == len(parts)
+                and all(isinstance(size, int) and size > 0 for size in value)):
+            layouts.append({TUPLE_SIZE_PARTS[part]: size for part, size in zip(parts, value)})
+    return layouts
+
+
 def ranks_needed(params):
-    """The smallest world that a test's parallel sizes fit, or None if it names none.
+    """The smallest world that every layout a test's parameters name fits, or None if they name none.
 
     Megatron needs the world divisible by tp*pp*cp and by etp*ep*pp (etp defaults to tp).
     A test asking for more raises in its setup on every rank, and upstream's MoE test
     container then runs a world barrier from its finalizer whenever each rank's garbage
     collector frees it: the ranks' barriers pair across tests and they deadlock.
     """
-    sizes = {SIZE_PARAMS[name]: value for name, value in params.items()
-             if name in SIZE_PARAMS and isinstance(value, int) and value > 0}
-    if not sizes:
+    layouts = _layouts(params)
+    if not layouts:
         return None
-    tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
-    expert = sizes.get("etp", tp) * sizes.get("ep", 1) * pp
-    return math.lcm(tp * pp * cp, expert)
+    needed = 1
+    for sizes in layouts:
+        tp, pp, cp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1)
+        expert = sizes.get("etp", tp) * sizes.get("ep", 1) * pp
+        needed = math.lcm(needed, tp * pp * cp, expert)
+    return needed
 
 
 def pytest_collection_modifyitems(session, config, items):
