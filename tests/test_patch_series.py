@@ -108,10 +108,11 @@ def test_installed_megatron_is_the_patched_fork():
 
 def test_a_late_conflict_leaves_the_tree_untouched(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
-    # The last patch touches the schedules; a local edit there must stop the whole
-    # series before the first patch is written.
+    # A local edit to a pristine file that the last patch changes (so do earlier patches, but
+    # not the first) must stop the whole series before the first patch is written.
     last = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[-1]).read_text()
-    target = last.split("diff --git a/", 1)[1].split()[0]
+    touched = [part.split()[0] for part in last.split("diff --git a/")[1:]]
+    target = next(path for path in touched if (tree / path).is_file())
     (tree / target).write_text("# a local change the series does not expect\n")
     proc = run_tool("apply", str(tree))
     assert proc.returncode == 1 and "does not apply" in proc.stderr

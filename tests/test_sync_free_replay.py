@@ -139,15 +139,21 @@ def launcher_update_pass_worker(argv, fillers):
 
 # Experts flags, and whether those experts take their token counts on the device: torch's grouped
 # experts (GroupedGemmExperts) do; SequentialMLP and TE's TEGroupedMLP (the launcher's grouped
-# experts where TE is installed) wait for them on the host.
+# experts where TE is installed) wait for them on the host. TE's fused permutation (one expert
+# rank here) takes host counts and leaves device counts on the device as the unfused one does.
 LAUNCHER_EXPERTS = {
     "grouped": ((), not transformer_engine_installed()),
     "torch-grouped": (("--moe-grouped-gemm-impl", "torch"), True),
+    "torch-grouped-permute-fusion": (("--moe-grouped-gemm-impl", "torch", "--moe-permute-fusion"), True),
     "sequential": (("--no-moe-grouped-gemm",), False),
 }
+NEEDS_TE = {"torch-grouped-permute-fusion"}
 
 
-@pytest.mark.parametrize("experts", sorted(LAUNCHER_EXPERTS))
+@pytest.mark.parametrize("experts", [
+    pytest.param(name, marks=pytest.mark.skipif(name in NEEDS_TE and not transformer_engine_installed(),
+                                                reason="TransformerEngine's fused permutation needs TE"))
+    for name in sorted(LAUNCHER_EXPERTS)])
 def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
     flags, device_counts = LAUNCHER_EXPERTS[experts]
     argv = ["--moe-enable-routing-replay", "--train-iters", "1", *flags]

@@ -112,6 +112,18 @@ def test_device_counts_give_identical_results_without_copies(single_rank, host_c
         assert torch.equal(grad, want_grads[name]), name
 
 
+def test_the_fused_permutation_at_one_rank_keeps_the_counts_on_the_device(single_rank):
+    """TE's fused permutation permutes by the routing map into num_tokens * topk rows: from one
+    tp_ep rank it needs no count on the host either."""
+    model = _gpt()
+    model.config.moe_permute_fusion = True  # after the build: building it needs TransformerEngine
+    layers = _moe_layers(model)
+    assert all(layer.token_dispatcher.config is model.config for layer in layers)
+    assert all(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
+    model.config.moe_expert_capacity_factor = 1.0  # dropping still needs them
+    assert not any(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
+
+
 @pytest.mark.parametrize("option", [
     dict(moe_expert_capacity_factor=1.0),
     dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),

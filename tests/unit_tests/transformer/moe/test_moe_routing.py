@@ -22,7 +22,11 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as router_module
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_routing import LayerRoutes, MoERouting
+from megatron.core.transformer.moe.moe_routing import (
+    LayerRoutes,
+    MoERouting,
+    host_counts_unsupported,
+)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -938,19 +942,42 @@ class TestHostTokensPerExpert:
         "option, reason",
         [
             (dict(moe_token_dispatcher_type="allgather"), "only 'alltoall'"),
-            (dict(moe_permute_fusion=True), "moe_permute_fusion changes"),
+            (
+                dict(moe_permute_fusion=True, expert_model_parallel_size=2),
+                "moe_permute_fusion changes",
+            ),
         ],
-        ids=["allgather", "permute_fusion"],
+        ids=["allgather", "permute_fusion-ep2"],
     )
     def test_configurations_without_host_counts_refuse_them(self, option, reason):
         batch = make_batch()
         model = _gpt(_config())
         for name, value in option.items():
-            # Set after the build (the fused permutation needs TransformerEngine to be built):
-            # the check before any layer runs reads the model's config.
+            # Set after the build (the fused permutation needs TransformerEngine to be built,
+            # two expert ranks need two processes): the check before any layer runs reads the
+            # model's config.
             setattr(model.config, name, value)
         with pytest.raises(ValueError, match=f"host_tokens_per_expert cannot be used: .*{reason}"):
             run_model(model, batch, self._routing(batch), backward=False)
+
+    @pytest.mark.parametrize(
+        "expert_tp, ep, refused", [(1, 1, False), (1, 2, True), (2, 1, True), (2, 2, True)]
+    )
+    def test_the_fused_permutation_takes_host_counts_at_one_tp_ep_rank_only(
+        self, expert_tp, ep, refused
+    ):
+        """From one tp_ep rank the fused permutation needs no split sizes (none to send, no
+        sort by local expert); from more, its sort takes them on the device."""
+        config = _config()
+        assert host_counts_unsupported(config) is None
+        config.moe_permute_fusion = True  # set after the build: see above
+        config.expert_tensor_parallel_size, config.expert_model_parallel_size = expert_tp, ep
+        why = host_counts_unsupported(config)
+        assert (why is not None) == refused
+        if refused:
+            assert why.startswith("moe_permute_fusion")
+        config.moe_permute_fusion = False
+        assert host_counts_unsupported(config) is None
 
     def test_the_dispatch_takes_the_counts_as_an_argument(self):
         config = _config()
