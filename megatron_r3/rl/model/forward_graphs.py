@@ -13,8 +13,10 @@ A capture holds only while the forward reads nothing back to the host and takes 
 value from its inputs. On one GPU per model replica it does:
 
 * the MoE dispatcher leaves the token counts on the device when one rank holds every
-  expert and the experts are grouped GEMMs that read them there (the series' patch "moe: the alltoall dispatcher leaves token counts on
-  the device"; ``GroupedGemmExperts`` in bf16);
+  expert and the experts are grouped GEMMs that read them there (the series' patches "moe: the
+  alltoall dispatcher leaves token counts on the device" and, with TE's fused permutation, "moe:
+  the fused permutation takes host token counts and keeps device counts"; ``GroupedGemmExperts``
+  in bf16); the allgather dispatcher reads them back, so its passes run eagerly;
 * core attention builds its mask on the device from ``cu_seqlens``
   (:class:`~megatron_r3.layers.core_attention.ContextParallelDotProductAttention`), and so
   does RoPE's token gather (the series' rope patches);
@@ -51,10 +53,18 @@ def forward_model(model: torch.nn.Module, batch: RolloutMicrobatch, routing: Opt
 
 def graphs_apply(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether forward-only passes of ``chunks`` can be CUDA graphs: one chunk on a GPU, one rank per
-    replica, and experts that take their token counts on the device."""
+    replica, and MoE layers that keep their token counts on the device."""
     return (len(chunks) == 1 and next(chunks[0].parameters()).device.type == "cuda" and one_rank_per_replica()
-            and all(getattr(layer.experts, "takes_device_tokens_per_expert", False) for layer in chunks[0].modules()
-                    if isinstance(layer, MoELayer)))
+            and token_counts_stay_on_device(chunks[0]))
+
+
+def token_counts_stay_on_device(chunk: torch.nn.Module) -> bool:
+    """Whether every MoE layer of ``chunk`` keeps its token counts on the device: its dispatcher
+    leaves them there (the alltoall one, dropless, at one expert rank: ``counts_stay_on_device``;
+    the allgather one reads them back) and its experts take them there."""
+    return all(getattr(layer.experts, "takes_device_tokens_per_expert", False)
+               and getattr(layer.token_dispatcher, "counts_stay_on_device", lambda: False)()
+               for layer in chunk.modules() if isinstance(layer, MoELayer))
 
 
 def one_rank_per_replica() -> bool:

@@ -153,6 +153,24 @@ def test_on_a_cpu_the_forward_runs_eagerly():
     assert run_workers(_cpu_worker, 1, Layout(), backend="gloo") == [(False, 0, True)]  # gloo: GPUs hidden
 
 
+def _counts_worker(flags):
+    init_parallel(Layout())
+    try:
+        _, (chunk,) = build_gpt(Layout(), MODEL, seed=2, flags=flags)
+        return forward_graphs.token_counts_stay_on_device(chunk)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("flags, on_device", [
+    (ENGINE_FLAGS, True),
+    (ENGINE_FLAGS + ["--moe-token-dispatcher-type", "allgather"], False),  # it reads them back: no capture
+    (["--bf16", "--no-moe-grouped-gemm", "--moe-enable-routing-replay"], False),  # SequentialMLP: host counts
+], ids=["alltoall-grouped", "allgather", "sequential"])
+def test_graphs_need_moe_layers_that_keep_their_counts_on_the_device(flags, on_device):
+    assert run_workers(_counts_worker, 1, flags, backend="gloo") == [on_device]
+
+
 def _rope_worker(lengths):
     """Max |logit difference| from the eager forward with each RoPE table length, on the CPU."""
     device = init_parallel(Layout())
