@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "upstream_tests.py"
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("upstream_tests", TOOL)
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-ut = _load_tool()
+ut = _load("upstream_tests", TOOL)
 
 
 @pytest.fixture(autouse=True)
@@ -347,13 +347,6 @@ def test_a_file_that_does_not_import_is_named_with_its_error(upstream, tmp_path,
     assert "tests/unit_tests/moe/test_a.py" in lines[0] and "NOT_THERE" in lines[0]
 
 
-def _load_plugin():
-    spec = importlib.util.spec_from_file_location("r3_plugin", ROOT / "tools" / "upstream_tests_plugin.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("params,needed", [
     ({}, None), ({"permute_fusion": True}, None), ({"tp_size": 1, "ep_size": 1}, 1),
     ({"tp_size": 1, "ep_size": 8}, 8), ({"tp_size": 4, "ep_size": 2}, 8), ({"tp_size": 8, "ep_size": 1}, 8),
@@ -366,7 +359,7 @@ def _load_plugin():
     ({"tp_pp": (2, 2, 2)}, None), ({"step_size": (2, 2)}, None),  # not a layout: lengths or names differ
 ])
 def test_ranks_needed_by_a_tests_parallel_sizes(params, needed):
-    assert _load_plugin().ranks_needed(params) == needed
+    assert _load("r3_plugin", ut.PLUGIN_SOURCE).ranks_needed(params) == needed
 
 
 def test_tests_the_world_cannot_hold_are_not_run_unless_asked(upstream, tmp_path, capsys):
