@@ -33,7 +33,10 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
         return False
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else device_type
     try:
-        with torch.enable_grad():  # the first MoE layer to ask may run in a forward-only pass
+        # The first MoE layer to ask may run in a forward-only pass: under no_grad (the built-in
+        # rollout engine) or inference_mode (Megatron's inference engine), where the backward
+        # cannot run and the answer, cached for the training passes too, would be a wrong False.
+        with torch.inference_mode(False), torch.enable_grad():
             x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
             offs = torch.tensor([8, 16], device=device, dtype=torch.int32)

@@ -54,15 +54,17 @@ def _module_worker(flags, fields, dtype, splits):
         experts = _experts(chunk)[0]
         assert isinstance(experts, GroupedGemmExperts)
         gen = torch.Generator().manual_seed(7)
-        # A forward-only pass (the rollout engine's) asks first: it still runs grouped.
-        grouped_mm_runs.cache_clear()
+        # A forward-only pass asks first (the built-in rollout engine's under no_grad, Megatron's inference
+        # engine's under inference_mode): it still runs grouped, and so do the training passes after it.
         hidden = torch.randn(8, MODEL.hidden_size, generator=gen).to(device, dtype)
-        with torch.no_grad():
-            assert grouped_mm_runs(device.type, dtype)
-            calls = []
-            with _counting_grouped_matmul(calls):
-                experts(hidden, torch.tensor([2, 2, 0, 4]), torch.ones(8, device=device))
-            assert len(calls) == 2
+        for forward_only in (torch.no_grad, torch.inference_mode):
+            grouped_mm_runs.cache_clear()
+            with forward_only():
+                assert grouped_mm_runs(device.type, dtype)
+                calls = []
+                with _counting_grouped_matmul(calls):
+                    experts(hidden, torch.tensor([2, 2, 0, 4]), torch.ones(8, device=device))
+                assert len(calls) == 2
         results = []
         for split in splits:
             hidden = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype).requires_grad_()

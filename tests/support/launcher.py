@@ -8,19 +8,25 @@ parent with that rank's traceback; a hung run is killed after ``timeout``.
 
 Workers come from a forkserver that has already imported torch and
 Megatron-Core, so a launch costs a fork, not a fresh interpreter. The
-forkserver never initialises CUDA (imports do not, and it answers CUDA
-availability from NVML), so an NCCL worker initialises CUDA itself after the
-fork. A gloo worker hides the GPUs before anything asks, so that Megatron's
-"current device" is the CPU its tensors live on. ``R3_NCCL_WORKERS=spawn``
-starts NCCL workers as fresh interpreters instead, for a platform where CUDA
-misbehaves after a fork. Ranks meet through a file store in the run's own
+forkserver must not initialise CUDA (it answers CUDA availability from NVML),
+so that an NCCL worker initialises CUDA itself after the fork. Where importing
+Megatron-Core does initialise it (FlashAttention-4, which Megatron-Core's
+attention imports, asks the device at import), a forked worker could not use
+CUDA at all, so every worker starts as a fresh interpreter instead; a probe
+interpreter tells, once per process, on machines with a GPU. A gloo worker
+hides the GPUs before anything asks, so that Megatron's "current device" is
+the CPU its tensors live on. ``R3_NCCL_WORKERS=spawn`` starts NCCL workers as
+fresh interpreters too, for a platform where CUDA misbehaves after a fork. Ranks meet through a file store in the run's own
 temporary directory, so concurrent runs (``pytest -n``) never race for a port.
 """
 
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -29,6 +35,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+# Saved before tests' CPU view (tests/conftest.py) patches torch.cuda.is_available.
+_cuda_is_available = torch.cuda.is_available
 _PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron_r3"]
 _forkserver = None
 
@@ -90,8 +98,10 @@ def run_workers(
             )
             for rank in range(world_size)
         ]
-        # The forkserver, started by the first launch, keeps this environment.
-        with _environ(PYTORCH_NVML_BASED_CUDA_CHECK="1"):
+        # The forkserver, started by the first launch, keeps this environment; a spawned gloo
+        # worker must not see the GPUs while its imports run.
+        hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" and ctx is not _forkserver else {}
+        with _environ(PYTORCH_NVML_BASED_CUDA_CHECK="1", **hidden):
             for proc in procs:
                 proc.start()
         try:
@@ -108,13 +118,25 @@ def run_workers(
 
 
 def _get_context(backend: str):
-    if backend == "nccl" and os.environ.get("R3_NCCL_WORKERS") == "spawn":
+    if (backend == "nccl" and os.environ.get("R3_NCCL_WORKERS") == "spawn") or _preload_initialises_cuda():
         return multiprocessing.get_context("spawn")
     global _forkserver
     if _forkserver is None:
         _forkserver = multiprocessing.get_context("forkserver")
         _forkserver.set_forkserver_preload(_PRELOAD)
     return _forkserver
+
+
+@functools.cache
+def _preload_initialises_cuda() -> bool:
+    """Whether importing the forkserver's modules initialises CUDA, asked of a fresh interpreter."""
+    if not _cuda_is_available():
+        return False
+    probe = (f"import importlib, torch\nfor name in {_PRELOAD!r}: importlib.import_module(name)\n"
+             f"print(torch.cuda.is_initialized())")
+    env = dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    answer = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    return answer.stdout.split()[-1] == "True"
 
 
 @contextlib.contextmanager

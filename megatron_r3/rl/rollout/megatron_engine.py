@@ -30,7 +30,8 @@ run with it off).
 
 Where it runs: CUDA (the engine allocates its sampling generator, KV cache and attention
 metadata on ``torch.cuda.current_device()``), flash-attn >= 2.7.3 (or FA3/FA4: the
-dynamic engine's attention, ``Attention.flash_decode_and_prefill``), and a model replica
+dynamic engine's attention, ``Attention.flash_decode_and_prefill``; with FA4 a head dim that is a
+multiple of 16), and a model replica
 of one GPU with one expert rank (each data-parallel rank runs its own engine).
 :func:`megatron_engine_problem` says which of these is missing.
 """
@@ -55,6 +56,11 @@ from megatron_r3.rl.rollout.weight_lag import LaggedWeights
 FLASH_ATTN_MIN_VERSION = "2.7.3"  # Attention.forward's assertion for dynamic batching (megatron-core 0.19.2)
 FLASH_ATTN_4_MIN_VERSION = "4.0.0b20"  # the flash-attn-4 megatron-core 0.19.2 uses (attention.HAVE_FA4)
 BLOCK_SIZE_TOKENS = 256  # the KV cache's block, Megatron's default
+# flash-attn-4 loads a paged KV cache whose page is not its key tile (at most 144 tokens, so never
+# Megatron's block) without TMA, and that path takes only head dims it need not pad to its multiple
+# of 16 (flash-attn-4 4.0.0b36, flash_fwd_sm90.py and flash_fwd_sm100.py: "Paged KV does not support
+# irregular head dim").
+FLASH_ATTN_4_PAGED_HEAD_DIM_MULTIPLE = 16
 
 
 def megatron_engine_problem(model: ModelSettings, device: torch.device) -> Optional[str]:
@@ -66,6 +72,11 @@ def megatron_engine_problem(model: ModelSettings, device: torch.device) -> Optio
     attention = flash_attention_problem()
     if attention is not None:
         return attention
+    head_dim = model.hidden_size // model.num_attention_heads
+    if flash_attention_4_runs() and head_dim % FLASH_ATTN_4_PAGED_HEAD_DIM_MULTIPLE:
+        return (f"its attention runs flash-attn-4 here, whose paged KV cache takes head dims that are multiples of "
+                f"{FLASH_ATTN_4_PAGED_HEAD_DIM_MULTIPLE}, and this model's is {head_dim} (--hidden-size "
+                f"{model.hidden_size} / --num-attention-heads {model.num_attention_heads})")
     parallel = model.parallel
     layout = {"--tensor-model-parallel-size": parallel.tensor_model_parallel_size,
               "--pipeline-model-parallel-size": parallel.pipeline_model_parallel_size,
@@ -103,6 +114,13 @@ def flash_attention_problem() -> Optional[str]:
         found += f", and {flash_attn_4}"
     return (f"its attention (Attention.flash_decode_and_prefill) needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
             f"or flash-attn 3/4, and {found}")
+
+
+def flash_attention_4_runs() -> bool:
+    """Whether Megatron-Core's attention runs flash-attn-4 here (it prefers it to FA3 and FA2)."""
+    from megatron.core.transformer import attention
+
+    return attention.HAVE_FA4
 
 
 def unusable_flash_attn_4() -> Optional[str]:
