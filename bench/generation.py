@@ -5,10 +5,11 @@
 
 Builds the launcher's policy and its rollout engine the way a run does
 (:func:`megatron_r3.rl.rollout.engine_choice.build_rollout_engine`, ``--rollout-engine local`` and
-``megatron``), then, per engine, times ``generate`` on one iteration's prompts of the
-built-in task (``--global-batch-size`` samples: the prompts, each ``--rollouts-per-prompt``
-times) for ``--rounds`` rounds after ``--warmup`` ones (CUDA graph captures and lazy
-initialisation happen there), the engines taking turns. It reports, per engine, the generated
+``megatron``, each with its CUDA graphs where they apply: the report says which replayed them),
+then, per engine, times ``generate`` on one iteration's prompts of the built-in task
+(``--global-batch-size`` samples: the prompts, each ``--rollouts-per-prompt`` times) for
+``--rounds`` rounds after ``--warmup`` ones (CUDA graph captures and lazy initialisation
+happen there), the engines taking turns. It reports, per engine, the generated
 tokens per second (completion tokens, the stop token included, over the wall time of
 ``generate``, which for both engines includes recording routes and log-probs), median and
 range over the rounds, and the ratio to the built-in engine. An engine that cannot run here
@@ -38,7 +39,8 @@ from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
-from megatron_r3.rl.rollout.megatron_engine import megatron_engine_problem
+from megatron_r3.rl.model.forward_graphs import graphs_apply
+from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
 from megatron_r3.rl.rollout.engine_choice import ROLLOUT_ENGINES, build_rollout_engine
 
@@ -61,7 +63,9 @@ def main(argv=None) -> None:
     args, launcher_flags = bench_args(argv)
     if "RANK" not in os.environ:  # one rank, as a plain `python -m bench.generation`
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
-    run_args = parse_args([*(SMALL if args.small else []), *launcher_flags, "--rollout-engine", "local"])
+    # Without --rollout-engine: where Megatron's engine runs, initialize seeds the graph-safe RNG tracker
+    # its CUDA graphs need, as a launcher run that picks it does.
+    run_args = parse_args([*(SMALL if args.small else []), *launcher_flags])
     settings = run_settings(run_args)
     device = initialize(settings)
     model = settings.model
@@ -83,17 +87,26 @@ def main(argv=None) -> None:
             continue
         engine = dataclasses.replace(settings.rollouts.engine, requested=name)
         engines[name] = build_rollout_engine(engine, model, device, policy, spec, rows, samples)
+    graphed = {name: engine_replays_graphs(engine) for name, engine in engines.items()}
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
         for name, engine in engines.items():
             tokens, seconds = generate_once(engine, prompts, iteration=round_ + 1, device=device)
             if round_ >= args.warmup:
                 rates[name].append(tokens / seconds)
-    report = render(args, launcher_flags, run_args, device, rates, skipped, len(prompts))
+    report = render(args, launcher_flags, run_args, device, rates, graphed, skipped, len(prompts))
     publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def engine_replays_graphs(engine) -> bool:
+    """Whether ``engine``'s steps replay CUDA graphs (the built-in engine's ForwardGraphs where they apply, or
+    Megatron's graph managers)."""
+    if isinstance(engine, MegatronRolloutEngine):
+        return engine.chunks[0].config.cuda_graph_impl == "local"
+    return engine.graphs is not None and graphs_apply(engine.chunks)
 
 
 def generate_once(engine, prompts, iteration: int, device: torch.device) -> tuple[int, float]:
@@ -109,7 +122,7 @@ def generate_once(engine, prompts, iteration: int, device: torch.device) -> tupl
     return sum(int(s.loss_mask.sum()) for s in samples), seconds
 
 
-def render(args, launcher_flags, run_args, device, rates, skipped, num_prompts) -> str:
+def render(args, launcher_flags, run_args, device, rates, graphed, skipped, num_prompts) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = ["python", "-m", "bench.generation", *sys.argv[1:]]
     lines = [f"# Rollout generation, tokens/s ({datetime.date.today()})", "",
@@ -117,14 +130,15 @@ def render(args, launcher_flags, run_args, device, rates, skipped, num_prompts) 
              f"{run_args.task!r} task, up to {run_args.max_new_tokens} new tokens, {run_args.num_layers} layers, "
              f"hidden {run_args.hidden_size}, {run_args.num_experts} experts top-{run_args.moe_router_topk}, "
              f"--transformer-impl {run_args.transformer_impl or 'default'}; {args.rounds} timed rounds after {args.warmup} warm-up ones.", "",
-             "| engine | tokens/s, median (min-max) | vs local |", "| --- | ---: | ---: |"]
+             "| engine | CUDA graphs | tokens/s, median (min-max) | vs local |", "| --- | --- | ---: | ---: |"]
     local = statistics.median(rates["local"]) if rates.get("local") else None
     for engine, values in rates.items():
         median = statistics.median(values)
         ratio = f"{median / local:.2f}x" if local else "-"
-        lines.append(f"| {engine} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) | {ratio} |")
+        graphs = "yes" if graphed[engine] else "no"
+        lines.append(f"| {engine} | {graphs} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) | {ratio} |")
     for engine, problem in skipped.items():
-        lines.append(f"| {engine} | not run: {problem} | - |")
+        lines.append(f"| {engine} | - | not run: {problem} | - |")
     return "\n".join(lines) + "\n"
 
 

@@ -190,14 +190,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--rollout-staleness", type=int, default=0,
                     help="optimizer steps the rollout engine's weights trail the policy's")
     rl.add_argument("--rollout-engine", choices=("megatron", "local"), default=None,
-                    help="what generates the rollouts: megatron-core's DynamicInferenceEngine (KV cache, eager "
-                         "steps; needs CUDA, flash-attn >= 2.7.3 and a model replica of one GPU with one expert "
-                         "rank) or the built-in engine (no KV cache, CUDA graphs; every layout, CPUs too). Default: "
+                    help="what generates the rollouts: megatron-core's DynamicInferenceEngine (KV cache, its "
+                         "CUDA graphs; needs CUDA, flash-attn >= 2.7.3 or 3/4 and a model replica of one GPU with one "
+                         "expert rank) or the built-in engine (no KV cache, CUDA graphs; every layout, CPUs too). Default: "
                          "megatron where it runs, else local")
     rl.add_argument("--no-rollout-cuda-graphs", dest="rollout_cuda_graphs", action="store_false",
                     help="run the rollout engine's generation and recording passes eagerly; by default, where a "
-                         "model replica is one GPU, they replay CUDA graphs captured on the first pass (the "
-                         "built-in engine; Megatron's runs eagerly)")
+                         "model replica is one GPU whose MoE layers keep their token counts on the device, they "
+                         "replay CUDA graphs captured on the first passes (each engine its own)")
     rl.add_argument("--no-trainer-cuda-graphs", dest="trainer_cuda_graphs", action="store_false",
                     help="run the trainer's passes eagerly; by default, where a model replica is one GPU and its "
                          "experts are grouped, the forward-only passes that route live (--r3-compare's when "

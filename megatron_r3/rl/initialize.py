@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_r3.rl.model.factory import ParallelSettings
+from megatron_r3.rl.rollout.engine_choice import graph_safe_rng_tracker
 from megatron_r3.rl.run_checks import RunCheckError, world_problems
 from megatron_r3.rl.run_settings import RunSettings
 
@@ -86,7 +87,8 @@ def initialize(settings: RunSettings) -> torch.device:
     if problems:
         raise RunCheckError("; ".join(problems))
     init_model_parallel(parallel)
-    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        settings.seed, use_cudagraphable_rng=graph_safe_rng_tracker(settings.rollouts.engine, settings.model, device))
     torch.manual_seed(settings.seed)
     return device
 

@@ -65,7 +65,7 @@ def rng_states() -> dict:
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": tracker_states(tensor_parallel.get_cuda_rng_tracker()),
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
@@ -79,4 +79,25 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    set_tracker_states(tensor_parallel.get_cuda_rng_tracker(), states["tracker"])
+
+
+def tracker_states(tracker) -> dict[str, torch.Tensor]:
+    """Megatron's RNG tracker's states as tensors: a graph-safe tracker (``use_cudagraphable_rng``) holds
+    generators, whose states are saved, so that a checkpoint restores under either kind."""
+    return {name: state.get_state() if isinstance(state, torch.Generator) else state
+            for name, state in tracker.get_states().items()}
+
+
+def set_tracker_states(tracker, states: dict[str, torch.Tensor]) -> None:
+    """Restores :func:`tracker_states` into ``tracker``: a graph-safe one keeps its generators (its graphs
+    and forks read them) and takes the states into them."""
+    if not tracker.use_cudagraphable_rng:
+        tracker.set_states(dict(states))
+        return
+    generators = tracker.get_states()
+    if set(generators) != set(states):
+        raise ValueError(f"the checkpoint's RNG tracker states are {sorted(states)}, this run's tracker has "
+                         f"{sorted(generators)}")
+    for name, state in states.items():
+        generators[name].set_state(state)

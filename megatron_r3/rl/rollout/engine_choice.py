@@ -4,22 +4,34 @@
 :mod:`megatron_r3.rl.rollout.megatron_engine`). ``local``: the built-in engine, which runs every
 layout and on CPUs (:mod:`megatron_r3.rl.rollout.engine`). Without the flag, ``megatron``
 where it runs, else ``local``.
+
+Both replay their passes as CUDA graphs (``--no-rollout-cuda-graphs`` turns them off) where a
+model replica is one GPU whose MoE layers keep their token counts on the device
+(:func:`~megatron_r3.rl.model.forward_graphs.graphs_apply`). Megatron's engine captures its
+own (its model built with ``cuda_graph_impl="local"``), whose graph managers need Megatron's
+RNG tracker graph-safe: :func:`graph_safe_rng_tracker` tells :func:`~megatron_r3.rl.initialize.initialize`
+to seed it so.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from megatron.core import tensor_parallel
 
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.model.factory import ModelSettings, build_model, transformer_config
+from megatron_r3.rl.model.forward_graphs import graphs_apply
 from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
 
 ROLLOUT_ENGINES = ("megatron", "local")
+# Megatron's engine's graphs: token counts log-spaced up to its largest step (InferenceConfig.num_cuda_graphs).
+MEGATRON_ENGINE_CUDA_GRAPHS = 8
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class RolloutEngineSettings:
         requested: ``"megatron"``, ``"local"``, or None: Megatron's where it runs, else the built-in one.
         sampling: How it samples.
         staleness: Optimizer steps its weights trail the policy's.
-        cuda_graphs: The built-in engine's passes replay CUDA graphs where a model replica is one GPU.
+        cuda_graphs: The engine's passes replay CUDA graphs where they apply (module docstring).
     """
 
     requested: Optional[str]
@@ -75,5 +87,24 @@ def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, 
     if engine == "local":
         return RolloutEngine(lambda: build_model(model, config, device), policy, spec, rows, settings.sampling,
                              settings.staleness, cuda_graphs=settings.cuda_graphs)
+    # Whether graphs apply shows on a built replica (its experts' and dispatchers' kind); one with
+    # graph managers is built only then, as they capture what they run.
+    if (settings.cuda_graphs and tensor_parallel.get_cuda_rng_tracker().use_cudagraphable_rng
+            and graphs_apply(build_model(model, config, device))):
+        config = copy.copy(config)
+        config.cuda_graph_impl = "local"
+        num_cuda_graphs = MEGATRON_ENGINE_CUDA_GRAPHS
+    else:
+        num_cuda_graphs = None
     return MegatronRolloutEngine(lambda: build_model(model, config, device), policy, spec, settings.sampling,
-                                 settings.staleness, max_requests=per_rank, max_sequence_length=rows.seq_length)
+                                 settings.staleness, max_requests=per_rank, max_sequence_length=rows.seq_length,
+                                 num_cuda_graphs=num_cuda_graphs)
+
+
+def graph_safe_rng_tracker(settings: Optional[RolloutEngineSettings], model: ModelSettings,
+                           device: torch.device) -> bool:
+    """Whether Megatron's RNG tracker must be graph-safe (``use_cudagraphable_rng``) for the rollout engine
+    (None: rollouts from a dump): Megatron's engine with CUDA graphs asked for (its graph managers assert
+    it when they are built)."""
+    return (settings is not None and settings.cuda_graphs
+            and resolve_rollout_engine(settings.requested, model, device) == "megatron")

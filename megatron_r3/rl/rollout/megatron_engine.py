@@ -7,11 +7,9 @@ prompt in one step, then decode steps of one token per request. The model is the
 chunk the built-in engine runs, on the policy's lagging weights
 (:class:`~megatron_r3.rl.rollout.weight_lag.LaggedWeights` copies into its parameters in place).
 
-Its steps run eagerly. The engine's CUDA graphs need the model built with
-``cuda_graph_impl="local"``, whose ``CudaGraphManager`` refuses the launcher's RNG tracker
-(cuda_graphs.py: ``"RNG tracker does not support cudagraphs!"``): graphs need a cudagraphable
-or inference tracker, and the launcher keeps Megatron's default one, whose states its
-checkpoints save as tensors.
+With ``num_cuda_graphs`` its steps replay Megatron's CUDA graphs, captured on its first steps:
+the model must then be built with ``cuda_graph_impl="local"`` under a graph-safe RNG tracker
+(:mod:`megatron_r3.rl.rollout.engine_choice` builds it so where graphs apply).
 
 Routes come from the engine itself: with ``moe_enable_routing_replay`` every router records
 its top-k through ``RouterReplay``, the engine stores them per KV block and rebuilds a
@@ -211,6 +209,7 @@ class MegatronRolloutEngine:
         max_requests: Most prompts one :meth:`generate` call passes.
         max_sequence_length: Most tokens of a prompt and its completion.
         top_k: Megatron's top-k filter before sampling (0: none; 1: greedy).
+        num_cuda_graphs: CUDA graphs the engine captures (``InferenceConfig.num_cuda_graphs``); None: eager steps.
     """
 
     def __init__(
@@ -223,6 +222,7 @@ class MegatronRolloutEngine:
         max_requests: int,
         max_sequence_length: int,
         top_k: int = 0,
+        num_cuda_graphs: Optional[int] = None,
     ):
         from megatron.core.inference.config import InferenceConfig
         from megatron.core.inference.contexts import DynamicInferenceContext
@@ -252,6 +252,7 @@ class MegatronRolloutEngine:
             block_size_tokens=BLOCK_SIZE_TOKENS,
             buffer_size_gb=_kv_cache_gb(model.config, max_requests, max_sequence_length),
             logprobs_mode="processed_logprobs",
+            num_cuda_graphs=num_cuda_graphs,
         )
         with recording_with(self._routers):
             context = DynamicInferenceContext(model_config=model.config, inference_config=config)

@@ -25,7 +25,7 @@ from megatron_r3.rl.rollout.megatron_engine import (
     sample_from_request,
 )
 from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
-from megatron_r3.rl.rollout.engine_choice import resolve_rollout_engine
+from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings, graph_safe_rng_tracker, resolve_rollout_engine
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt
@@ -100,6 +100,20 @@ def test_a_head_dim_flash_attn_4_cannot_page_is_refused_naming_it(monkeypatch, f
     else:  # flash-attn 2 and 3 read the cache at any head dim they take
         assert problem is None
     assert megatron_engine_problem(DEFAULT_MODEL, torch.device("cuda")) is None  # 4 heads of 32
+
+
+@pytest.mark.parametrize("requested", [None, "megatron", "local"])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_the_rng_tracker_is_graph_safe_where_megatrons_engine_captures_graphs(monkeypatch, requested, cuda_graphs):
+    """Megatron's graph managers assert a graph-safe tracker when they are built, so the launcher seeds one
+    where Megatron's engine generates with CUDA graphs; elsewhere it keeps Megatron's default tracker."""
+    monkeypatch.setattr(megatron_engine, "flash_attention_problem", lambda: None)
+    settings = RolloutEngineSettings(requested, SamplingParams(1.0, 4, stop_token=0, seed=1), cuda_graphs=cuda_graphs)
+    megatrons = cuda_graphs and requested != "local"
+    assert graph_safe_rng_tracker(settings, DEFAULT_MODEL, torch.device("cuda")) == megatrons
+    assert not graph_safe_rng_tracker(settings if requested != "megatron" else None, DEFAULT_MODEL,
+                                      torch.device("cpu"))
+    assert not graph_safe_rng_tracker(None, DEFAULT_MODEL, torch.device("cuda"))  # rollouts from a dump
 
 
 def _request(prompt, generated, logprobs, routing, status=Status.COMPLETED):
@@ -235,6 +249,57 @@ def test_the_loop_with_megatrons_engine_replays_the_routes_it_records():
     assert mean(megatron, "mismatch/replay/k3_kl") < mean(megatron, "mismatch/live/k3_kl")
     assert mean(megatron, "mismatch/replay/logp_abs_diff") <= 2 * mean(local, "mismatch/replay/logp_abs_diff")
     assert mean(megatron, "routing/agreement") >= mean(local, "routing/agreement") - 0.1
+
+
+def _graphs_worker(argv):
+    """Megatron's engine built by the launcher with its CUDA graphs and without, on the same policy: one
+    iteration's samples of each, and whether the graphed one's model has Megatron's graph managers."""
+    from megatron.core import parallel_state
+
+    from megatron_r3.dataplane.device.microbatches import RowLayout
+    from megatron_r3.dataplane.device.plan import RankLayout
+    from megatron_r3.rl.arguments import run_settings
+    from megatron_r3.rl.initialize import initialize
+    from megatron_r3.rl.model.factory import build_model, transformer_config
+    from megatron_r3.rl.rollout.engine_choice import build_rollout_engine
+
+    run_args = parse_args(argv)
+    settings = run_settings(run_args)
+    device = initialize(settings)
+    try:
+        model = settings.model
+        config = transformer_config(model, device)
+        policy = build_model(model, config, device)
+        rows = RowLayout(RankLayout.of_this_rank(False), config, run_args.seq_length, run_args.micro_batch_size,
+                         device)
+        prompts = [p.token_ids for p in settings.rollouts.task.prompts(run_args.seed, 1, range(4)) for _ in range(2)]
+        samples, graphed = {}, {}
+        for cuda_graphs in (True, False):
+            engine_settings = dataclasses.replace(settings.rollouts.engine, requested="megatron",
+                                                  cuda_graphs=cuda_graphs)
+            engine = build_rollout_engine(engine_settings, model, device, policy, RoutingSpec.from_config(config),
+                                          rows, len(prompts))
+            graphed[cuda_graphs] = engine.chunks[0].config.cuda_graph_impl == "local"
+            rounds = []
+            for iteration in (1, 2):  # the first captures the graphs, the second replays them
+                engine.weights.advance()
+                rounds.append([(s.token_ids.tolist(), s.logprobs.tolist(), s.routes.ids.tolist())
+                               for s in engine.generate(prompts, iteration)])
+            samples[cuda_graphs] = rounds
+        return {"graphed": graphed, "samples": samples}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+@needs_megatron_engine
+def test_megatrons_engine_with_its_cuda_graphs_draws_what_it_draws_eagerly():
+    """Where the MoE layers keep their token counts on the device (torch's grouped experts), Megatron's
+    engine captures its CUDA graphs, and they draw the same tokens, log-probs and routes as its eager steps."""
+    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", "--hidden-size", "64", "--moe-grouped-gemm-impl", "torch"]
+    ((result),) = run_workers(_graphs_worker, 1, argv, backend="nccl", timeout=300)
+    assert result["graphed"] == {True: True, False: False}
+    assert result["samples"][True] == result["samples"][False]
 
 
 def test_an_installed_flash_attn_4_that_does_not_import_is_named_with_its_error(monkeypatch):
