@@ -129,7 +129,8 @@ def render(args, launcher_flags, run_args, device, rates, graphed, skipped, num_
              f"`{shlex.join(command)}` on 1 x {name}, torch {torch.__version__}: {num_prompts} samples of the "
              f"{run_args.task!r} task, up to {run_args.max_new_tokens} new tokens, {run_args.num_layers} layers, "
              f"hidden {run_args.hidden_size}, {run_args.num_experts} experts top-{run_args.moe_router_topk}, "
-             f"--transformer-impl {run_args.transformer_impl or 'default'}; {args.rounds} timed rounds after {args.warmup} warm-up ones.", "",
+             f"--transformer-impl {run_args.transformer_impl or 'default'}; {args.rounds} timed rounds after "
+             f"{args.warmup} warm-up ones.", "",
              "| engine | CUDA graphs | tokens/s, median (min-max) | vs local |", "| --- | --- | ---: | ---: |"]
     local = statistics.median(rates["local"]) if rates.get("local") else None
     for engine, values in rates.items():

@@ -16,8 +16,9 @@ CUDA at all, so every worker starts as a fresh interpreter instead; a probe
 interpreter tells, once per process, on machines with a GPU. A gloo worker
 hides the GPUs before anything asks, so that Megatron's "current device" is
 the CPU its tensors live on. ``R3_NCCL_WORKERS=spawn`` starts NCCL workers as
-fresh interpreters too, for a platform where CUDA misbehaves after a fork. Ranks meet through a file store in the run's own
-temporary directory, so concurrent runs (``pytest -n``) never race for a port.
+fresh interpreters too, for a platform where CUDA misbehaves after a fork.
+Ranks meet through a file store in the run's own temporary directory, so
+concurrent runs (``pytest -n``) never race for a port.
 """
 
 import contextlib
