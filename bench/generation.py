@@ -39,7 +39,6 @@ from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.arguments import parse_args, run_settings
 from megatron_r3.rl.initialize import initialize
-from megatron_r3.rl.model.forward_graphs import graphs_apply
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
 from megatron_r3.rl.rollout.engine_choice import ROLLOUT_ENGINES, build_rollout_engine
@@ -106,7 +105,7 @@ def engine_replays_graphs(engine) -> bool:
     Megatron's graph managers)."""
     if isinstance(engine, MegatronRolloutEngine):
         return engine.chunks[0].config.cuda_graph_impl == "local"
-    return engine.graphs is not None and graphs_apply(engine.chunks)
+    return engine.graphs is not None and engine.graphs.enabled
 
 
 def generate_once(engine, prompts, iteration: int, device: torch.device) -> tuple[int, float]:

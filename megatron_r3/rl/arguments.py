@@ -191,9 +191,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="optimizer steps the rollout engine's weights trail the policy's")
     rl.add_argument("--rollout-engine", choices=("megatron", "local"), default=None,
                     help="what generates the rollouts: megatron-core's DynamicInferenceEngine (KV cache, its "
-                         "CUDA graphs; needs CUDA, flash-attn >= 2.7.3 or 3/4 and a model replica of one GPU with one "
-                         "expert rank) or the built-in engine (no KV cache, CUDA graphs; every layout, CPUs too). Default: "
-                         "megatron where it runs, else local")
+                         "CUDA graphs; needs CUDA, flash-attn >= 2.7.3 or 3/4 and a model replica of one GPU with "
+                         "one expert rank) or the built-in engine (no KV cache, CUDA graphs; every layout, CPUs "
+                         "too). Default: megatron where it runs, else local")
     rl.add_argument("--no-rollout-cuda-graphs", dest="rollout_cuda_graphs", action="store_false",
                     help="run the rollout engine's generation and recording passes eagerly; by default, where a "
                          "model replica is one GPU whose MoE layers keep their token counts on the device, they "
