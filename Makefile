@@ -6,10 +6,11 @@ MEGATRON ?=
 CPU ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-cpu test-gpu bench check-patches patch clean help upstream-tests
+.PHONY: install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
+	@echo "make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS=...]   download what make install needs on an offline CUDA node (tools/wheelhouse.py)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
 	@echo "make check-patches  apply patches/ to a pristine sdist, then patches/cpu/ on top; fail on fuzz, offsets or a bad header"
@@ -18,6 +19,12 @@ help:
 
 install:
 	@PYTHON=$(PYTHON) bash tools/install.sh
+
+# Everything `make install` needs on an offline CUDA node (Python 3.12, CUDA 13 unless WHEELHOUSE_ARGS says).
+WHEELHOUSE_ARGS ?=
+wheelhouse:
+	@test -n "$(WHEELHOUSE)" || { echo "usage: make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS='--python-version 3.12 --cuda-major 13']" >&2; exit 2; }
+	$(PYTHON) tools/wheelhouse.py "$(WHEELHOUSE)" $(WHEELHOUSE_ARGS)
 
 $(VPY):
 	@echo "no .venv here: run 'make install' first" >&2; exit 1

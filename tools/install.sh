@@ -11,10 +11,19 @@
 #   WHEELHOUSE    folder of wheels and the sdists (megatron-core, transformer_engine_torch):
 #                 install offline
 #   R3_WITHOUT_TE 1: on a CUDA machine, install without TransformerEngine (the local layers)
+#   R3_WITHOUT_FA4 1: on a CUDA machine, install without FlashAttention-4 (then Megatron's
+#                 inference engine, the GPU rollout engine, needs another flash-attn installed)
 #
 # Where torch has CUDA, TransformerEngine TE_VERSION is installed too: the core wheel for
 # torch's CUDA major, the meta wheel, requirements-te.txt, and the torch extension built from
 # its sdist against this torch (it is published only as an sdist).
+#
+# Where torch has CUDA, FlashAttention-4 (requirements-fa4.txt, its CuTe DSL for torch's CUDA major)
+# is installed too: the attention Megatron's dynamic inference engine runs on, the launcher's
+# rollout engine on GPUs.
+#
+# The venv gets its own `torchrun` (where torch comes from the host, the host's `torchrun`
+# belongs to another Python), so `source .venv/bin/activate` makes the README's commands work.
 #
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
@@ -103,6 +112,22 @@ Set R3_WITHOUT_TE=1 to install without it (the local layers)."
   echo "transformer-engine $TE_VERSION installed (CUDA $cuda_major)"
 fi
 
+step "FlashAttention-4 (Megatron's inference engine)"
+if [ -z "$cuda_major" ]; then
+  echo "torch has no CUDA: no FlashAttention-4 (rollouts from the built-in engine)"
+elif [ "${R3_WITHOUT_FA4:-}" = 1 ]; then
+  echo "R3_WITHOUT_FA4=1: no FlashAttention-4 (Megatron's inference engine needs another flash-attn)"
+elif "$VPY" tools/gpu_requirements.py fa4-imports 2>/dev/null; then
+  echo "flash-attn-4 is installed (CUDA $cuda_major)"
+else
+  "$VPY" -m pip install -q "${PIP_ARGS[@]}" --no-deps -r <("$VPY" tools/gpu_requirements.py fa4 "$cuda_major") \
+    || die "FlashAttention-4 for CUDA $cuda_major could not be installed (offline: WHEELHOUSE needs the wheels of
+requirements-fa4.txt for CUDA $cuda_major; 'make wheelhouse' downloads them). R3_WITHOUT_FA4=1 installs without it."
+  "$VPY" tools/gpu_requirements.py fa4-imports \
+    || die "flash-attn-4 was installed but does not import (above); R3_WITHOUT_FA4=1 installs without it"
+  echo "flash-attn-4 installed (CUDA $cuda_major)"
+fi
+
 read -r BASE SDIST_NAME SDIST_SHA256 < <("$VPY" tools/patch_series.py base)
 step "megatron-core $BASE + patches/"
 digest=$("$VPY" tools/patch_series.py digest)
@@ -140,5 +165,11 @@ import megatron_r3
 print("megatron-core", m.version("megatron-core"), "| megatron_r3", megatron_r3.__version__,
       "| kernels:", megatron_r3.kernel_info())
 EOF
+# torch from the host has no console script in the venv; the host's `torchrun` runs another Python.
+if [ ! -x "$VENV/bin/torchrun" ]; then
+  printf '#!%s\nimport sys\nfrom torch.distributed.run import main\nsys.exit(main())\n' "$VPY" > "$VENV/bin/torchrun"
+  chmod +x "$VENV/bin/torchrun"
+fi
+
 echo
-echo "make install: done. Run 'make test'."
+echo "make install: done. Run 'make test'; 'source .venv/bin/activate' puts the venv's python and torchrun first."

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Download everything `make install` needs on an offline CUDA machine into one folder.
+
+    python tools/wheelhouse.py OUT [--python-version 3.12] [--cuda-major 13] [--platform manylinux_2_28_x86_64]
+    WHEELHOUSE=OUT make install            # then, on the GPU node
+
+The folder gets, for the node's Python and CUDA major: the wheels of requirements.txt,
+requirements-te.txt and requirements-fa4.txt (FlashAttention-4 and its CuTe DSL), TransformerEngine's
+core and meta wheels, and the two sdists `make install` builds there (megatron-core, which it
+patches, and transformer_engine_torch, built against the node's torch). Every pin comes from those
+files, tools/install.sh and tools/patch_series.py; nothing else is resolved. The node's own torch is
+reused, so no torch is downloaded. Files already in OUT are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_requirements import fa4_requirements, te_version  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SIMPLE_INDEX = "https://pypi.org/simple"
+
+
+def pins(path: Path) -> list[str]:
+    """The ``name==version`` lines of a requirements file."""
+    lines = (line.partition("#")[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def download_wheels(requirements: list[str], out: Path, python_version: str, platform: str) -> None:
+    """pip's binary download of exactly these pins for the target interpreter and platform."""
+    command = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+               "--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
+               "--platform", platform, "--platform", "manylinux_2_27_x86_64", "--platform", "manylinux_2_24_x86_64",
+               "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+               "--platform", "any", "-d", str(out), *requirements]
+    subprocess.run(command, check=True)
+
+
+def download_sdist(name: str, version: str, out: Path) -> Path:
+    """The sdist of ``name==version`` from the package index, checked against the index's sha256.
+
+    pip cannot download these two without building their metadata, which needs a CUDA torch."""
+    request = urllib.request.Request(f"{SIMPLE_INDEX}/{name}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    stem = f"{name.replace('-', '_')}-{version}.tar.gz"
+    found = [f for f in files if f["filename"].lower() == stem.lower()]
+    if not found:
+        raise SystemExit(f"wheelhouse: the index has no sdist {stem}")
+    target = out / found[0]["filename"]
+    if not target.exists():
+        with urllib.request.urlopen(found[0]["url"], timeout=300) as response:
+            data = response.read()
+        if hashlib.sha256(data).hexdigest() != found[0]["hashes"]["sha256"]:
+            raise SystemExit(f"wheelhouse: {stem} does not match the index's sha256")
+        partial = target.with_name(target.name + ".part")
+        partial.write_bytes(data)
+        partial.replace(target)
+    return target
+
+
+def megatron_core_base() -> tuple[str, str]:
+    """megatron-core's base version and sdist name (tools/patch_series.py base)."""
+    output = subprocess.run([sys.executable, str(ROOT / "tools" / "patch_series.py"), "base"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    return output[0], output[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--python-version", default="3.12", help="the GPU node's Python (default 3.12)")
+    parser.add_argument("--cuda-major", default="13", help="the CUDA major of the node's torch (default 13)")
+    parser.add_argument("--platform", default="manylinux_2_28_x86_64")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    te = te_version()
+    wheels = (pins(ROOT / "requirements.txt") + pins(ROOT / "requirements-te.txt")
+              + fa4_requirements(args.cuda_major)
+              + [f"transformer_engine_cu{args.cuda_major}=={te}", f"transformer_engine=={te}"])
+    print(f"wheelhouse: {len(wheels)} wheels for Python {args.python_version}, CUDA {args.cuda_major}", flush=True)
+    download_wheels(wheels, args.out, args.python_version, args.platform)
+    base, _ = megatron_core_base()
+    for name, version in (("megatron-core", base), ("transformer-engine-torch", te)):
+        print(f"wheelhouse: sdist {download_sdist(name, version, args.out).name}", flush=True)
+    total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
+    print(f"wheelhouse: {args.out} holds {total / 2**20:.0f} MiB; on the node: WHEELHOUSE={args.out} make install")
+
+
+if __name__ == "__main__":
+    main()
