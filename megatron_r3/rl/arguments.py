@@ -65,6 +65,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated (default 1: "
                             "every layer; a GPTModel's flag: --hybrid-layer-pattern places its MoE layers itself)")
     model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    model.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                       help="the routers' logits, scores and top-k in this precision (Megatron-LM's flag; "
+                            "default: the activations' dtype)")
     grouped = model.add_mutually_exclusive_group()
     grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
                          help="the trainer's experts run as two grouped GEMMs per MoE layer (no TransformerEngine; "
@@ -399,6 +402,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         recompute=RecomputeSettings(granularity=args.recompute_granularity, method=args.recompute_method,
                                     num_layers=args.recompute_num_layers),
         routing_replay=dataclasses.replace(routing_replay_settings(args), enabled=routers_take_moe_routing(args)),
+        moe_router_dtype=args.moe_router_dtype,
     )
 
 

@@ -97,6 +97,8 @@ class ModelSettings:
         vocab_size: The embedding's and output layer's rows.
         max_sequence_length: The longest sequence the position embedding serves.
         routing_replay: Whether the policy's routers take a ``MoERouting``, and the replay checks.
+        moe_router_dtype: The routers' logits and scores in ``"fp32"`` or ``"fp64"``; None: in the
+            activations' dtype (Megatron's ``moe_router_dtype``).
     """
 
     num_layers: int
@@ -127,6 +129,7 @@ class ModelSettings:
     parallel: ParallelSettings
     recompute: RecomputeSettings
     routing_replay: RoutingReplaySettings
+    moe_router_dtype: Optional[str] = None
 
     def __post_init__(self):
         if self.hybrid_layer_pattern is not None and hybrid_num_layers(self.hybrid_layer_pattern) != self.num_layers:
@@ -194,6 +197,7 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
         moe_layer_freq=model._megatron_layer_freq,
         is_hybrid_model=model.hybrid_layer_pattern is not None,
         moe_router_score_function=model.moe_router_score_function,
+        moe_router_dtype=model.moe_router_dtype,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_grouped_gemm=model.moe_grouped_gemm or rollout_engine,
         **dataclasses.asdict(model.parallel),
