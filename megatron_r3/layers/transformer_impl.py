@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from functools import partial
 from typing import Optional
 
@@ -31,6 +32,8 @@ TRANSFORMER_IMPLS = ("transformer_engine", "local")
 # Who runs grouped experts: TransformerEngine's TEGroupedMLP (host split sizes, one GEMM set-up
 # per expert on the host), or torch's grouped GEMM with device offsets (GroupedGemmExperts).
 GROUPED_GEMM_IMPLS = ("transformer_engine", "torch")
+# TransformerEngine's switch for GroupedLinear's grouped-tensor GEMM (its one-kernel grouped GEMM).
+TE_FUSED_GROUPED_GEMM_ENV = "NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"
 # Flags whose feature exists only in TransformerEngine's layers.
 TE_ONLY_FLAGS = ("moe_permute_fusion", "moe_router_fusion")
 
@@ -75,15 +78,46 @@ def resolve_transformer_impl(requested: Optional[str], device: torch.device, te_
     return requested
 
 
+def te_grouped_gemm_problem() -> Optional[str]:
+    """Why TransformerEngine's grouped experts (``TEGroupedMLP``) would issue one GEMM per expert from the
+    host here, or None where TE runs each grouped linear as one cuBLASLt grouped GEMM.
+
+    TE's ``GroupedLinear`` takes its grouped-tensor GEMM only where TE's own capability check
+    (``is_module_grouped_tensor_path_supported``: cuBLASLt >= 13.3, >= 13.4 on Hopper) passes and the
+    path is switched on (``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1``; megatron-core 0.19.2's
+    ``TEGroupedMLP`` does not ask for it); otherwise it loops over the experts on several streams.
+    """
+    import transformer_engine
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.module import grouped_linear
+
+    version = transformer_engine.__version__
+    supported = getattr(grouped_linear, "is_module_grouped_tensor_path_supported", None)
+    if supported is None:
+        return f"TransformerEngine {version} has no grouped-tensor GEMM"
+    cublaslt = tex.get_cublasLt_version()
+    cublaslt = f"{cublaslt // 10000}.{cublaslt // 100 % 100}.{cublaslt % 100}"
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    if not supported(None, torch.bfloat16):
+        return (f"TransformerEngine {version}'s grouped GEMM needs cuBLASLt >= 13.3 (>= 13.4 on compute capability "
+                f"9.0); this node has cuBLASLt {cublaslt} on compute capability {capability}")
+    if os.environ.get(TE_FUSED_GROUPED_GEMM_ENV) != "1":
+        return (f"TransformerEngine {version} runs its grouped GEMM only with {TE_FUSED_GROUPED_GEMM_ENV}=1, "
+                f"which megatron-core's TEGroupedMLP does not set")
+    return None
+
+
 def resolve_grouped_gemm_impl(requested: Optional[str], transformer_impl: str) -> str:
-    """Who runs grouped experts: TE's ``TEGroupedMLP`` by default with TE's layers, torch's grouped GEMM
-    (the only one) with the local layers.
+    """Who runs grouped experts: ``requested`` (``--moe-grouped-gemm-impl``), or by default with TE's
+    layers TE's ``TEGroupedMLP`` where it runs one grouped GEMM per linear (:func:`te_grouped_gemm_problem`),
+    else torch's grouped GEMM, which always does (and the only one with the local layers).
 
     Raises:
         ValueError: ``transformer_engine`` asked for with the local layers, or an unknown value.
     """
     if requested is None:
-        return "transformer_engine" if transformer_impl == "transformer_engine" else "torch"
+        te_grouped = transformer_impl == "transformer_engine" and te_grouped_gemm_problem() is None
+        return "transformer_engine" if te_grouped else "torch"
     if requested not in GROUPED_GEMM_IMPLS:
         raise ValueError(f"--moe-grouped-gemm-impl must be one of {GROUPED_GEMM_IMPLS}, got {requested!r}")
     if requested == "transformer_engine" and transformer_impl != "transformer_engine":

@@ -33,11 +33,11 @@ from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
 from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
 from megatron_r3.rl.metrics_file import MetricsFile, metrics_file_problem, overwrite_warning
-from megatron_r3.rl.model.factory import build_model, transformer_config
+from megatron_r3.rl.model.factory import build_model, layers_summary, transformer_config
 from megatron_r3.rl.profiling.phase_timer import PhaseTimer
 from megatron_r3.rl.profiling.profiler import IterationProfiler
 from megatron_r3.rl.rollout.engine import RolloutEngine
-from megatron_r3.rl.rollout.engine_choice import build_rollout_engine
+from megatron_r3.rl.rollout.engine_choice import build_rollout_engine, engine_summary
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_settings import RunSettings
@@ -82,6 +82,7 @@ def setup(settings: RunSettings, device: torch.device, log: Callable[[str], None
     try:
         config = transformer_config(model, device)
         chunks = build_model(model, config, device)
+        log(layers_summary(model, config))
         spec = RoutingSpec.from_config(config, model.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config, settings.seq_length,
                          settings.micro_batch_size, device, model.hybrid_layer_pattern)
@@ -96,6 +97,7 @@ def setup(settings: RunSettings, device: torch.device, log: Callable[[str], None
         return TrainingRun(settings, trainer, source, None)
     # Built after the policy, so that the policy's initialisation does not depend on the mode.
     engine = build_rollout_engine(rollouts.engine, model, device, chunks, spec, rows, per_rank)
+    log(engine_summary(engine, trainer_bf16=config.bf16))
     return TrainingRun(settings, trainer, EmbeddedRollouts(rollouts, engine, per_rank), engine)
 
 

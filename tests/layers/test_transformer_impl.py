@@ -57,8 +57,12 @@ def test_swiglu_gates_the_experts_and_the_mlps():
     assert not config.gated_linear_unit and config.activation_func is torch.nn.functional.gelu
 
 
-def test_grouped_experts_are_tes_by_default_with_te_layers_and_torchs_otherwise():
+def test_grouped_experts_are_tes_by_default_only_where_te_runs_one_grouped_gemm(monkeypatch):
+    monkeypatch.setattr(transformer_impl, "te_grouped_gemm_problem", lambda: None)
     assert resolve_grouped_gemm_impl(None, "transformer_engine") == "transformer_engine"
+    monkeypatch.setattr(transformer_impl, "te_grouped_gemm_problem", lambda: "cuBLASLt 13.0.2 on 9.0")
+    assert resolve_grouped_gemm_impl(None, "transformer_engine") == "torch"
+    assert resolve_grouped_gemm_impl("transformer_engine", "transformer_engine") == "transformer_engine"
     assert resolve_grouped_gemm_impl("torch", "transformer_engine") == "torch"
     assert resolve_grouped_gemm_impl(None, "local") == "torch"
     with pytest.raises(ValueError, match="needs TransformerEngine's layers"):

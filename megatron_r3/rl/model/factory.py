@@ -29,6 +29,7 @@ from megatron_r3.layers.transformer_impl import (
     hybrid_stack_spec,
     resolve_grouped_gemm_impl,
     resolve_transformer_impl,
+    te_grouped_gemm_problem,
 )
 from megatron_r3.routing_replay import RoutingReplaySettings
 
@@ -248,6 +249,23 @@ def experts_grouped_gemm_impl(model: ModelSettings, config: TransformerConfig) -
     if config.moe_grouped_gemm and not model.moe_grouped_gemm:
         requested = "torch"
     return resolve_grouped_gemm_impl(requested, config.transformer_impl)
+
+
+def layers_summary(model: ModelSettings, config: TransformerConfig) -> str:
+    """One start-up line: the layers and experts a model of ``config`` runs, and why, where a default chose
+    torch's grouped GEMM over TransformerEngine's."""
+    layers = ("TransformerEngine's layers (Megatron's TE specs)" if config.transformer_impl == "transformer_engine"
+              else "Megatron's local layers")
+    if not config.moe_grouped_gemm:
+        experts = "SequentialMLP (GEMMs per expert)"
+    elif experts_grouped_gemm_impl(model, config) == "transformer_engine":
+        experts = "TransformerEngine's TEGroupedMLP"
+    else:
+        experts = "torch's grouped GEMM (GroupedGemmExperts)"
+        if model.moe_grouped_gemm_impl is None and config.transformer_impl == "transformer_engine":
+            experts += (f", as TEGroupedMLP would issue one GEMM per expert here ({te_grouped_gemm_problem()}; "
+                        f"--moe-grouped-gemm-impl transformer_engine takes it)")
+    return f" layers: {layers} in {'bf16' if config.bf16 else 'fp32'}; experts: {experts}"
 
 
 def build_model(model: ModelSettings, config: TransformerConfig,

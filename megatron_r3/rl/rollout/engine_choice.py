@@ -27,7 +27,7 @@ from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.rl.model.factory import ModelSettings, build_model, transformer_config
 from megatron_r3.rl.model.forward_graphs import graphs_apply
 from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
-from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
+from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, flash_attention_name, megatron_engine_problem
 
 ROLLOUT_ENGINES = ("megatron", "local")
 # Megatron's engine's graphs: token counts log-spaced up to its largest step (InferenceConfig.num_cuda_graphs).
@@ -99,6 +99,22 @@ def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, 
     return MegatronRolloutEngine(lambda: build_model(model, config, device), policy, spec, settings.sampling,
                                  settings.staleness, max_requests=per_rank, max_sequence_length=rows.seq_length,
                                  num_cuda_graphs=num_cuda_graphs)
+
+
+def engine_summary(engine: Union[RolloutEngine, MegatronRolloutEngine], trainer_bf16: bool) -> str:
+    """One start-up line: which engine generates the rollouts, and what its log-probs can differ from the
+    trainer's by (the built-in engine runs the trainer's own layers and kernels)."""
+    if isinstance(engine, MegatronRolloutEngine):
+        graphs = f"{engine.num_cuda_graphs} CUDA graphs" if engine.num_cuda_graphs else "eager steps"
+        return (f" rollouts: Megatron's DynamicInferenceEngine (paged KV cache, {flash_attention_name()}, batched "
+                f"decode, {graphs}), an inference engine's kernels against the trainer's")
+    graphs = ", CUDA graphs" if engine.graphs is not None and engine.graphs.enabled else ""
+    line = f" rollouts: the built-in engine (the policy's own layers in bf16, no KV cache{graphs})"
+    if trainer_bf16:
+        return (line + ": it runs the trainer's own forward and kernels in the trainer's precision, so its "
+                       "log-probs differ from the trainer's only where GEMM shapes round differently; no inference "
+                       "engine's mismatch to show (docs/launcher.md)")
+    return line + ": against the trainer's fp32, the mismatch shown is bf16 inference against fp32 training"
 
 
 def graph_safe_rng_tracker(settings: Optional[RolloutEngineSettings], model: ModelSettings,

@@ -114,6 +114,17 @@ def flash_attention_problem() -> Optional[str]:
             f"or flash-attn 3/4, and {found}")
 
 
+def flash_attention_name() -> str:
+    """The flash-attn Megatron-Core's attention runs here (FA4 before FA3 before FA2), with its version."""
+    from megatron.core.transformer import attention
+
+    distribution = "flash-attn-4" if attention.HAVE_FA4 else "flash-attn-3" if attention.HAVE_FA3 else "flash-attn"
+    try:
+        return f"{distribution} {importlib.metadata.version(distribution)}"
+    except importlib.metadata.PackageNotFoundError:
+        return distribution
+
+
 def flash_attention_4_runs() -> bool:
     """Whether Megatron-Core's attention runs flash-attn-4 here (it prefers it to FA3 and FA2)."""
     from megatron.core.transformer import attention
@@ -237,6 +248,7 @@ class MegatronRolloutEngine:
         if len(self.chunks) != 1:
             raise ValueError(f"Megatron's inference engine runs one model chunk, got {len(self.chunks)}")
         self.spec, self.sampling, self.top_k = spec, sampling, top_k
+        self.num_cuda_graphs = num_cuda_graphs
         self.weights = LaggedWeights(policy, self.chunks, staleness, make_chunks)
         model = self.chunks[0]
         model.eval()
