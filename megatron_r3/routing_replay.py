@@ -65,16 +65,20 @@ def moe_routing_for_chunk(
     The arguments are checked against each other and the model before anything runs, each
     message naming the argument: ``expert_ids`` an int64 tensor ``[layers, tokens, topk]`` on the
     model's device with the model's top-k, one row per entry of ``layer_numbers`` (distinct
-    layer numbers), ``host_tokens_per_expert`` one count per layer, and under
-    ``every_token_routed`` no row of -1 (checked where it costs no device sync: routes on the
-    CPU, or with the config's ``moe_routing_replay_check_values``).
+    MoE layers of the model), ``host_tokens_per_expert`` one count per layer. Where the routes
+    are on the CPU their values are checked too, for free: ids in ``[0, num_experts)``, distinct
+    within a row, rows all -1 or none, and under ``every_token_routed`` no row of -1. Routes on a
+    device are checked so only with the config's ``moe_routing_replay_check_values``
+    (``--moe-routing-replay-check-values``: one device sync per forward), and host counts only
+    by ``MoERouting.verify()``, which the caller runs after the pass.
 
     Args:
         model_chunk: the (possibly wrapped) GPTModel or HybridModel chunk the forward step runs.
         expert_ids: int64 ``[len(layer_numbers), num_local_tokens, topk]`` routes, or None
             to route live (the routes taken are recorded either way).
-        layer_numbers: the layer each row of ``expert_ids`` belongs to; rows of layers this
-            chunk does not build are dropped. Default: exactly the chunk's MoE layers.
+        layer_numbers: the MoE layer each row of ``expert_ids`` belongs to; rows of layers
+            other pipeline stages build are dropped, numbers that are no decoder MoE layer of
+            the model refused. Default: exactly the chunk's MoE layers.
         every_token_routed: no row of ``expert_ids`` is -1 (known on the host): the routers
             take upstream's precomputed-indices path, no live top-k runs.
         host_tokens_per_expert: int64 CPU ``[tp_ep_size, len(layer_numbers), num_experts]``
@@ -82,18 +86,22 @@ def moe_routing_for_chunk(
             every token replays a route, the same matrix on every rank of the group (the
             all-gather of :mod:`megatron_r3.dataplane.device.expert_counts` gives it), and only where
             :func:`host_counts_unsupported` is None for the model's config: the alltoall
-            dispatcher then takes its split sizes from the host, with no device sync. Check
-            the forward with ``MoERouting.verify()`` where the host waits anyway.
+            dispatcher then takes its split sizes from the host, with no device sync. They
+            are trusted until ``MoERouting.verify()`` (counts right in sum but wrong per expert
+            send tokens to the wrong experts): call it after the pass, where the host waits anyway.
         record: keep the routes every layer takes (``recorded_expert_ids()``).
         keep_live_routes: also keep what the routers' own top-k chose
             (``live_expert_ids()``, for agreement metrics; costs a live top-k per layer).
     """
     moe_layers = chunk_moe_layers(model_chunk)
     if expert_ids is not None:
+        model = _language_model(model_chunk)
         layer_numbers = _check_replay_arguments(
-            _language_model(model_chunk), moe_layers, expert_ids, layer_numbers, every_token_routed,
-            host_tokens_per_expert,
+            model, moe_layers, expert_ids, layer_numbers, every_token_routed, host_tokens_per_expert
         )
+        _check_layer_numbers(model, moe_layers, layer_numbers)
+        if expert_ids.device.type == "cpu":
+            _check_host_values(expert_ids, layer_numbers, model.config.num_moe_experts)
         if layer_numbers != moe_layers:
             missing = sorted(set(moe_layers) - set(layer_numbers))
             if missing:
@@ -158,17 +166,72 @@ def _check_replay_arguments(
             f"host_tokens_per_expert must be [tp_ep_size, {len(layer_numbers)} layers, num_experts], "
             f"got shape {tuple(host_tokens_per_expert.shape)}"
         )
-    if every_token_routed and (
-        expert_ids.device.type == "cpu" or model.config.moe_routing_replay_check_values
-    ):
+    on_device = expert_ids.device.type != "cpu"
+    if every_token_routed and (not on_device or model.config.moe_routing_replay_check_values):
         no_route = (expert_ids == NO_ROUTE).all(dim=-1)
         if bool(no_route.any()):  # free on the CPU; one sync on a device, asked for by the config
             row, token = (int(i) for i in no_route.nonzero()[0])
             raise ValueError(
                 f"every_token_routed=True, but expert_ids has no route (a row of -1) for token "
                 f"{token} at layer {layer_numbers[row]}: pass every_token_routed=False"
+                + (f" (checked on {expert_ids.device}: {_DEVICE_CHECK})" if on_device else "")
             )
     return layer_numbers
+
+
+# How a user turns on the checks of replayed ids that need the device (one sync per forward).
+_DEVICE_CHECK = "moe_routing_replay_check_values, --moe-routing-replay-check-values"
+
+
+def _model_moe_layers(model) -> list:
+    """The MoE layers of the whole model a chunk belongs to (every pipeline stage; MTP layers
+    excluded), from its config or its hybrid layer pattern, and the chunk's own."""
+    from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers
+
+    config = model.config
+    pattern = getattr(model, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        layers = hybrid_moe_layers(pattern)
+    elif config.num_moe_experts:
+        layers = model_moe_layers(config.num_layers, config.moe_layer_freq)
+    else:
+        layers = ()
+    return sorted(set(layers) | set(model.decoder.moe_layer_numbers))
+
+
+def _check_layer_numbers(model, moe_layers: list, layer_numbers: list) -> None:
+    """Every row of ``layer_numbers`` is a MoE layer of the model: rows of other pipeline stages'
+    layers are dropped by the chunk, rows of layers that are no MoE layer anywhere are refused."""
+    model_layers = _model_moe_layers(model)
+    stray = [n for n in layer_numbers if n not in model_layers]
+    if not stray:
+        return
+    raise ValueError(
+        f"layer_numbers {layer_numbers} names layers {stray}, not decoder MoE layers of this "
+        f"{model.config.num_layers}-layer model (its MoE layers: {model_layers}; MTP layers route "
+        f"live here): their rows would be dropped"
+    )
+
+
+def _check_host_values(expert_ids: torch.Tensor, layer_numbers: list, num_experts: int) -> None:
+    """Ids in ``[0, num_experts)``, distinct within a row, and rows either routed or all -1
+    (no route), checked where the routes are on the host (no device sync)."""
+    no_route = (expert_ids == NO_ROUTE).all(dim=-1, keepdim=True)
+    partial = ((expert_ids == NO_ROUTE) & ~no_route).any(dim=-1)
+    out_of_range = (((expert_ids < 0) | (expert_ids >= num_experts)) & ~no_route).any(dim=-1)
+    ordered = expert_ids.sort(dim=-1).values
+    duplicate = ((ordered[..., 1:] == ordered[..., :-1]) & ~no_route).any(dim=-1)
+    for bad, what in (
+        (partial, f"is only partly {NO_ROUTE}: a row is all {NO_ROUTE} (no route) or top-k expert ids"),
+        (out_of_range, f"holds an expert id outside [0, {num_experts}) (num_experts)"),
+        (duplicate, "names an expert twice"),
+    ):
+        if bool(bad.any()):
+            row, token = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"expert_ids: the row of token {token} at layer {layer_numbers[row]} "
+                f"{expert_ids[row, token].tolist()} {what}"
+            )
 
 
 def add_routing_replay_args(

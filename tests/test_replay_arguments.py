@@ -1,7 +1,8 @@
 """moe_routing_for_chunk checks its arguments against each other and the model, naming the argument.
 
-A stub chunk stands in for the GPTModel (what the check reads: its MoE layers, its config's top-k
-and value check, its parameters' device).
+A stub chunk stands in for the first of three pipeline stages of a GPTModel whose MoE layers are 2, 4
+and 6 (what the check reads: its MoE layers and the model's, its config's top-k, experts and value
+check, its parameters' device).
 """
 
 import types
@@ -17,7 +18,8 @@ class StubChunk(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.decoder = types.SimpleNamespace(moe_layer_numbers=list(moe_layers))
-        self.config = types.SimpleNamespace(moe_router_topk=topk, moe_routing_replay_check_values=check_values)
+        self.config = types.SimpleNamespace(moe_router_topk=topk, moe_routing_replay_check_values=check_values,
+                                            num_layers=6, moe_layer_freq=[0, 1] * 3, num_moe_experts=4)
 
 
 def routes(layers=2, tokens=3, topk=2):
@@ -64,7 +66,7 @@ def test_replay_arguments_that_do_not_fit_are_refused_naming_the_argument(case, 
 
 def test_fitting_arguments_give_the_chunks_rows():
     ids = routes(layers=3)
-    routing = moe_routing_for_chunk(StubChunk(), ids, [2, 3, 4])  # a layer the chunk does not build is dropped
+    routing = moe_routing_for_chunk(StubChunk(), ids, [2, 6, 4])  # a layer another stage builds is dropped
     assert routing.layer_numbers == [2, 4] and torch.equal(routing.expert_ids, ids[[0, 2]])
     # Rows of -1 are fine where the live router decides them.
     assert moe_routing_for_chunk(StubChunk(), with_no_route(routes(), 0, 0)).every_token_routed is False
