@@ -192,6 +192,10 @@ def test_metrics_lines_stay_exactly_once_per_iteration(tmp_path):
                           f"the checkpoint's 1 (from iteration 2)", "leave out --append-metrics-file")
     assert resumed["code"] == 0, resumed["err"]
     assert _rows(metrics["resumed.jsonl"]) == [1, 2]  # iteration 2 and the cut 3 dropped, 2 written again
+    assert (f" warning: --metrics-file {metrics['resumed.jsonl']} line 3 was cut (no newline: a run stopped while "
+            f"writing it) and is dropped, with the metrics of iteration 3; this run, resumed at iteration 1, runs it "
+            f"again\n") in resumed["out"]
+    assert "was cut" not in other_run["out"]
     assert other_run["code"] == 0 and _rows(metrics["other-run-then-resumed.jsonl"]) == [3, 1, 2]
     assert overwritten["code"] == 0 and _rows(metrics["overwritten.jsonl"]) == [2]
     assert (f"warning: --overwrite-metrics-file with --load: the 2 lines of --metrics-file "
@@ -214,6 +218,25 @@ def test_metrics_file_lines_are_read_with_their_numbers(tmp_path):
         path.write_bytes(raw)
         with pytest.raises(MetricsFileError, match=f"--metrics-file {path} {message}"):
             read_metrics_lines(str(path))
+
+
+@pytest.mark.parametrize("text, resumed, lost", [
+    (b'{"iteration": 4, "lo', 3, "iteration 4; this run, resumed at iteration 3, runs it again"),
+    (b'{"iteration": 1', 3, "the iteration after 3 (its number was cut too); this run, resumed at iteration 3, runs "
+                            "it again"),
+    (b'{"iter', None, "the iteration after 3 (its number was cut too); this run, from scratch, runs it again"),
+    (b'{"iteration": 2}', 3, "iteration 2"),
+])
+def test_a_dropped_cut_line_is_named_with_the_iteration_it_held(tmp_path, text, resumed, lost):
+    from megatron_r3.rl.metrics_file import cut_line_warning
+
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"iteration": 2}\n{"iteration": 3}\n' + text)
+    assert cut_line_warning(str(path), resumed) == (
+        f"warning: --metrics-file {path} line 3 was cut (no newline: a run stopped while writing it) and is dropped, "
+        f"with the metrics of {lost}")
+    path.write_bytes(b'{"iteration": 2}\n')
+    assert cut_line_warning(str(path), resumed) is None
 
 
 # A full disk: a tmpfs of a few pages more or less than one checkpoint.

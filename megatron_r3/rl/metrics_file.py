@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
@@ -40,11 +41,13 @@ class MetricsLines:
         iterations: The ``iteration`` of each complete line, in file order.
         ends: The byte offset just after each complete line.
         cut_line: The line number of a last line without its newline, or None.
+        cut_iteration: The iteration that cut line names, where its text still holds it whole.
     """
 
     iterations: list[int]
     ends: list[int]
     cut_line: Optional[int]
+    cut_iteration: Optional[int] = None
 
     def complete_end(self) -> int:
         """Byte offset just after the last complete line (0 when there is none)."""
@@ -67,13 +70,16 @@ def read_metrics_lines(path: str) -> MetricsLines:
         MetricsFileError: a complete line that is not UTF-8, not JSON, not an object or
             without an integer ``iteration``, naming the file and the line.
     """
-    iterations, ends, cut_line = [], [], None
+    iterations, ends, cut_line, cut_iteration = [], [], None, None
     offset = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             offset += len(raw)
             if not raw.endswith(b"\n"):
                 cut_line = number  # only the last line can lack its newline
+                # "iteration" comes first in a line (trainer.metrics); its digits are whole once a delimiter follows.
+                found = re.search(rb'"iteration": *(\d+)[,}]', raw)
+                cut_iteration = int(found.group(1)) if found else None
                 break
             where = f"--metrics-file {path} line {number}"
             record = json_line(raw, where, MetricsFileError)
@@ -85,7 +91,7 @@ def read_metrics_lines(path: str) -> MetricsLines:
                                        f"{raw.decode().strip()[:80]!r}")
             iterations.append(iteration)
             ends.append(offset)
-    return MetricsLines(iterations, ends, cut_line)
+    return MetricsLines(iterations, ends, cut_line, cut_iteration)
 
 
 def metrics_file_problem(path: str, mode: str, resumed_iteration: Optional[int],
@@ -116,6 +122,33 @@ def metrics_file_problem(path: str, mode: str, resumed_iteration: Optional[int],
                     f"{resumed_iteration} (from iteration {lines.iterations[first]}), which this run writes again: "
                     f"leave out --append-metrics-file to drop them, or pass --overwrite-metrics-file")
     return None
+
+
+def cut_line_warning(path: str, resumed_iteration: Optional[int]) -> Optional[str]:
+    """For a run that continues ``path`` (mode ``"resume"``): the line saying which cut last line it drops
+    (the file, the line, the iteration whose metrics it held), or None when there is none.
+
+    Args:
+        path: The ``--metrics-file``.
+        resumed_iteration: The checkpoint's iteration the run resumes from, or None (from scratch).
+    """
+    if not os.path.isfile(path):
+        return None
+    lines = read_metrics_lines(path)
+    if lines.cut_line is None:
+        return None
+    if lines.cut_iteration is not None:
+        lost = f"iteration {lines.cut_iteration}"
+    elif lines.iterations:
+        lost = f"the iteration after {lines.iterations[-1]} (its number was cut too)"
+    else:
+        lost = "an iteration whose number was cut too"
+    resumed = resumed_iteration or 0
+    again = ""
+    if lines.cut_iteration is None or lines.cut_iteration > resumed:
+        again = f"; this run, {f'resumed at iteration {resumed}' if resumed else 'from scratch'}, runs it again"
+    return (f"warning: --metrics-file {path} line {lines.cut_line} was cut (no newline: a run stopped while writing "
+            f"it) and is dropped, with the metrics of {lost}{again}")
 
 
 def overwrite_warning(path: str, resumed_iteration: Optional[int]) -> Optional[str]:

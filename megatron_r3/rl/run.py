@@ -32,7 +32,7 @@ from megatron_r3.rl.checkpoint.dirs import find_checkpoint, save_directory_probl
 from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
 from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
-from megatron_r3.rl.metrics_file import MetricsFile, metrics_file_problem, overwrite_warning
+from megatron_r3.rl.metrics_file import MetricsFile, cut_line_warning, metrics_file_problem, overwrite_warning
 from megatron_r3.rl.model.factory import build_model, layers_summary, transformer_config
 from megatron_r3.rl.profiling.phase_timer import PhaseTimer
 from megatron_r3.rl.profiling.profiler import IterationProfiler
@@ -150,7 +150,11 @@ def check_outputs(
             resumed = None if checkpoint is None else checkpoint[1]
             problem = (f"--metrics-file {metrics.metrics_file} {why}" if why is not None else
                        metrics_file_problem(metrics.metrics_file, mode, resumed, metrics.drop_cut_metrics_line))
-            warning = overwrite_warning(metrics.metrics_file, resumed) if mode == "overwrite" else None
+            warning = None
+            if mode == "overwrite":
+                warning = overwrite_warning(metrics.metrics_file, resumed)
+            elif mode == "resume" and problem is None:  # the file reads as a metrics file
+                warning = cut_line_warning(metrics.metrics_file, resumed)
             if problem is None and warning is not None:
                 log(f" {warning}")
     raise_on_any_rank(problem)
