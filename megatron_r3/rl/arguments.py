@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
@@ -36,6 +37,13 @@ from megatron_r3.rl.trainer.training_stack import (
     training_stack_problems,
 )
 from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args
+
+# The default model where the launcher runs on GPUs: a Qwen3-30B-A3B-like router (128 experts, top-8,
+# SwiGLU experts, fp32 routing) on small layers, at which Megatron's inference engine and the trainer
+# disagree on a visible share of routes (docs/launcher.md, "The default run"); on CPUs the small
+# router of the first runs, which keeps the CPU suite and a first CPU run short.
+GPU_MODEL = dict(num_experts=128, moe_router_topk=8, swiglu=True, moe_router_dtype="fp32")
+CPU_MODEL = dict(num_experts=8, moe_router_topk=2, swiglu=False, moe_router_dtype=None)
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
@@ -58,8 +66,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--ffn-hidden-size", type=int, default=256)
     model.add_argument("--num-attention-heads", type=int, default=4)
     model.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention groups")
-    model.add_argument("--num-experts", type=int, default=8)
-    model.add_argument("--moe-router-topk", type=int, default=2)
+    model.add_argument("--num-experts", type=int, default=None,
+                       help=f"experts per MoE layer (default {GPU_MODEL['num_experts']} on GPUs, "
+                            f"{CPU_MODEL['num_experts']} on CPUs)")
+    model.add_argument("--moe-router-topk", type=int, default=None,
+                       help=f"experts per token (default {GPU_MODEL['moe_router_topk']} on GPUs, "
+                            f"{CPU_MODEL['moe_router_topk']} on CPUs)")
     model.add_argument("--moe-ffn-hidden-size", type=int, default=128)
     model.add_argument("--moe-layer-freq", default=None,
                        help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated (default 1: "
@@ -67,7 +79,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     model.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                        help="the routers' logits, scores and top-k in this precision (Megatron-LM's flag; "
-                            "default: the activations' dtype)")
+                            "default: fp32 on GPUs, as Megatron-LM advises from 32 experts on; on CPUs the "
+                            "activations' dtype)")
     grouped = model.add_mutually_exclusive_group()
     grouped.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=True,
                          help="the trainer's experts run as two grouped GEMMs per MoE layer (no TransformerEngine; "
@@ -96,9 +109,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="TransformerEngine's fused top-k and score function (TE only); live microbatches "
                             "take the fused kernel, replayed or recorded ones the unfused top-k (the fused "
                             "kernel never reaches the replay hook); docs/routing_replay.md")
-    model.add_argument("--swiglu", action="store_true",
+    model.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=None,
                        help="gated SiLU experts and MLPs (SwiGLU, as Qwen3 and DeepSeek MoE models; Megatron-LM's "
-                            "flag); default GeLU")
+                            "flag); --no-swiglu: GeLU. Default: SwiGLU on GPUs, GeLU on CPUs")
     model.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm")
     model.add_argument("--init-method-std", type=float, default=0.15, help="std of the normal weight init")
     bias = model.add_mutually_exclusive_group()
@@ -293,6 +306,10 @@ def _world_size() -> int:
 def complete_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fills the defaults that depend on other flags and checks that they fit together (idempotent)."""
     tp = args.tensor_model_parallel_size
+    defaults = GPU_MODEL if torch.cuda.is_available() else CPU_MODEL  # the device initialize() takes
+    for flag, value in defaults.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     if args.hybrid_layer_pattern is not None:
         # The pattern sets the layer count, as in Megatron-LM, which warns and takes the pattern's
         # count over a different --num-layers; here a different count is refused.

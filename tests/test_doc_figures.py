@@ -1,0 +1,35 @@
+"""The default-run figures README.md and docs/launcher.md quote are the means of the metrics file they cite."""
+
+import json
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_METRICS = ROOT / "docs" / "r3-default-metrics.jsonl"
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return statistics.mean(row[key] for row in rows)
+
+
+def sci(value: float) -> str:
+    """3 significant digits as the docs write them: 4.74e-4."""
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def test_the_cpu_default_runs_figures_are_the_files():
+    rows = [json.loads(line) for line in CPU_METRICS.read_text().splitlines()]
+    replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
+    ratio = f"{live / replay:.0f}x"
+    live_ln2 = f"{100 * mean(rows, 'mismatch/live/frac_abs_gt_ln2'):.2f}%"
+    assert mean(rows, "mismatch/replay/frac_abs_gt_ln2") == 0
+    readme = (ROOT / "README.md").read_text()
+    assert f"{sci(replay)} with replay against {sci(live)} without ({ratio})" in readme
+    assert f"({live_ln2} without)" in readme
+    launcher = (ROOT / "docs" / "launcher.md").read_text()
+    assert f"| k3 KL | {sci(replay)} | {sci(live)} | {ratio} |" in launcher
+    assert f"| `|d| > ln 2` | 0 | {live_ln2} | |" in launcher
+    abs_replay, abs_live = mean(rows, "mismatch/replay/logp_abs_diff"), mean(rows, "mismatch/live/logp_abs_diff")
+    assert f"| mean `|d|` | {abs_replay:.4f} | {abs_live:.4f} | {abs_live / abs_replay:.1f}x |" in launcher
+    assert f"routing agreement {mean(rows, 'routing/agreement'):.3f}" in launcher
