@@ -2,6 +2,7 @@
 
     python -m bench.generation --out build/bench/generation.md     # 1 GPU, the launcher's default shape
     python -m bench.generation --small                             # a smoke check of this script (CPU too)
+    python -m bench.generation --prompt-tokens 256 --new-tokens 1024 --requests 64   # a rollout-sized shape
 
 Builds the launcher's policy and its rollout engine the way a run does
 (:func:`megatron_r3.rl.rollout.engine_choice.build_rollout_engine`, ``--rollout-engine local`` and
@@ -15,7 +16,10 @@ tokens per second (completion tokens, the stop token included, over the wall tim
 range over the rounds, and the ratio to the built-in engine. An engine that cannot run here
 is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
-Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidden-size 1024``).
+``--prompt-tokens P --new-tokens N --requests R`` time a rollout-sized shape instead of the task's:
+``R`` prompts of ``P`` random task symbols, each completed with exactly ``N`` tokens (no stop token:
+Megatron's ``termination_id=-1``, its ``ignore_eos``), in one row of ``R * (P + N)`` tokens for the
+built-in engine. Launcher flags after ``--`` replace the shape (e.g. ``-- --num-layers 16 --hidden-size 1024``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -42,7 +47,9 @@ from megatron_r3.rl.initialize import initialize
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, megatron_engine_problem
 from megatron_r3.rl.model.factory import build_model, transformer_config
 from megatron_r3.rl.rollout.engine_choice import ROLLOUT_ENGINES, build_rollout_engine
+from megatron_r3.rl.rollout.tasks import EOS
 
+NO_STOP_TOKEN = -1  # no sampled id equals it (Megatron's ignore_eos is termination_id=-1)
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32",
          "--num-experts", "4", "--global-batch-size", "8", "--rollouts-per-prompt", "2", "--task-max-symbols", "4"]
 
@@ -53,9 +60,25 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--warmup", type=int, default=2, help="untimed generate calls per engine first")
     parser.add_argument("--small", action="store_true", help="a small model and batch: a smoke check on a CPU")
     parser.add_argument("--out", default=None, help="markdown report path")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompts of this many random task symbols instead of the task's (with --new-tokens)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates, no early stop")
+    parser.add_argument("--requests", type=int, default=64, help="requests with --prompt-tokens (default 64)")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+    args = parser.parse_args(argv[:split])
+    if (args.prompt_tokens is None) != (args.new_tokens is None):
+        parser.error("--prompt-tokens and --new-tokens go together")
+    return args, argv[split + 1:]
+
+
+def rollout_shape_flags(args: argparse.Namespace) -> list[str]:
+    """Launcher flags for ``--requests`` prompts of ``--prompt-tokens`` completed with ``--new-tokens`` each."""
+    if args.prompt_tokens is None:
+        return []
+    row = args.requests * (args.prompt_tokens + args.new_tokens)
+    return ["--global-batch-size", str(args.requests), "--micro-batch-size", str(args.requests),
+            "--rollouts-per-prompt", "1", "--max-new-tokens", str(args.new_tokens), "--seq-length", str(row)]
 
 
 def main(argv=None) -> None:
@@ -64,8 +87,12 @@ def main(argv=None) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29535")
     # Without --rollout-engine: where Megatron's engine runs, initialize seeds the graph-safe RNG tracker
     # its CUDA graphs need, as a launcher run that picks it does.
-    run_args = parse_args([*(SMALL if args.small else []), *launcher_flags])
+    run_args = parse_args([*(SMALL if args.small else []), *rollout_shape_flags(args), *launcher_flags])
     settings = run_settings(run_args)
+    if args.prompt_tokens is not None:  # exactly --new-tokens each: no token stops a request
+        sampling = dataclasses.replace(settings.rollouts.engine.sampling, stop_token=NO_STOP_TOKEN)
+        settings = dataclasses.replace(settings, rollouts=dataclasses.replace(
+            settings.rollouts, engine=dataclasses.replace(settings.rollouts.engine, sampling=sampling)))
     device = initialize(settings)
     model = settings.model
     config = transformer_config(model, device)
@@ -75,8 +102,13 @@ def main(argv=None) -> None:
                      run_args.micro_batch_size, device)
     samples = run_args.global_batch_size
     group = run_args.rollouts_per_prompt
-    prompts = [p.token_ids for p in settings.rollouts.task.prompts(run_args.seed, 1, range(samples // group))
-               for _ in range(group)]
+    if args.prompt_tokens is None:
+        prompts = [p.token_ids for p in settings.rollouts.task.prompts(run_args.seed, 1, range(samples // group))
+                   for _ in range(group)]
+    else:
+        first, end = EOS + 1, settings.rollouts.task.vocab_size  # the task's symbols
+        generator = np.random.default_rng(run_args.seed)
+        prompts = [generator.integers(first, end, args.prompt_tokens) for _ in range(samples)]
 
     engines, skipped = {}, {}
     for name in ROLLOUT_ENGINES:
@@ -85,7 +117,9 @@ def main(argv=None) -> None:
             skipped[name] = problem
             continue
         engine = dataclasses.replace(settings.rollouts.engine, requested=name)
-        engines[name] = build_rollout_engine(engine, model, device, policy, spec, rows, samples)
+        longest = (args.prompt_tokens + args.new_tokens if args.prompt_tokens is not None
+                   else settings.rollouts.task.max_prompt_tokens + run_args.max_new_tokens)
+        engines[name] = build_rollout_engine(engine, model, device, policy, spec, rows, samples, longest)
     graphed = {name: engine_replays_graphs(engine) for name, engine in engines.items()}
     rates = {name: [] for name in engines}
     for round_ in range(args.warmup + args.rounds):
@@ -123,10 +157,12 @@ def generate_once(engine, prompts, iteration: int, device: torch.device) -> tupl
 
 def render(args, launcher_flags, run_args, device, rates, graphed, skipped, num_prompts) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    shape = (f" (prompts of {args.prompt_tokens} random symbols, exactly {args.new_tokens} new tokens each)"
+             if args.prompt_tokens is not None else "")
     command = ["python", "-m", "bench.generation", *sys.argv[1:]]
     lines = [f"# Rollout generation, tokens/s ({datetime.date.today()})", "",
              f"`{shlex.join(command)}` on 1 x {name}, torch {torch.__version__}: {num_prompts} samples of the "
-             f"{run_args.task!r} task, up to {run_args.max_new_tokens} new tokens, {run_args.num_layers} layers, "
+             f"{run_args.task!r} task{shape}, up to {run_args.max_new_tokens} new tokens, {run_args.num_layers} layers, "
              f"hidden {run_args.hidden_size}, {run_args.num_experts} experts top-{run_args.moe_router_topk}, "
              f"--transformer-impl {run_args.transformer_impl or 'default'}; {args.rounds} timed rounds after "
              f"{args.warmup} warm-up ones.", "",

@@ -74,13 +74,15 @@ def resolve_rollout_engine(requested: Optional[str], model: ModelSettings, devic
 
 
 def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, device: torch.device, policy: list,
-                         spec: RoutingSpec, rows: RowLayout,
-                         per_rank: int) -> Union[RolloutEngine, MegatronRolloutEngine]:
+                         spec: RoutingSpec, rows: RowLayout, per_rank: int,
+                         max_sample_tokens: Optional[int] = None) -> Union[RolloutEngine, MegatronRolloutEngine]:
     """The engine ``settings`` ask for, on ``model``'s bf16 copy, trailing ``policy``'s weights by
     ``settings.staleness`` steps.
 
     Args:
         per_rank: Samples this data-parallel rank generates per iteration.
+        max_sample_tokens: The most tokens of a prompt and its completion, what Megatron's engine sizes its
+            KV cache for; None: a whole row of ``rows``.
     """
     engine = resolve_rollout_engine(settings.requested, model, device)
     config = transformer_config(model, device, rollout_engine=True)
@@ -97,7 +99,8 @@ def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, 
     else:
         num_cuda_graphs = None
     return MegatronRolloutEngine(lambda: build_model(model, config, device), policy, spec, settings.sampling,
-                                 settings.staleness, max_requests=per_rank, max_sequence_length=rows.seq_length,
+                                 settings.staleness, max_requests=per_rank,
+                                 max_sequence_length=max_sample_tokens or rows.seq_length,
                                  num_cuda_graphs=num_cuda_graphs)
 
 
