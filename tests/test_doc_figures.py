@@ -33,3 +33,20 @@ def test_the_cpu_default_runs_figures_are_the_files():
     abs_replay, abs_live = mean(rows, "mismatch/replay/logp_abs_diff"), mean(rows, "mismatch/live/logp_abs_diff")
     assert f"| mean `|d|` | {abs_replay:.4f} | {abs_live:.4f} | {abs_live / abs_replay:.1f}x |" in launcher
     assert f"routing agreement {mean(rows, 'routing/agreement'):.3f}" in launcher
+
+
+def test_the_gpu_default_runs_figures_are_the_files():
+    launcher = (ROOT / "docs" / "launcher.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for gpus, name in ((1, "r3-default-gpu-metrics.jsonl"), (2, "r3-default-gpu2-metrics.jsonl")):
+        rows = [json.loads(line) for line in (ROOT / "docs" / name).read_text().splitlines()]
+        assert len(rows) == 40
+        replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
+        assert mean(rows, "mismatch/replay/frac_abs_gt_ln2") == 0
+        live_ln2 = f"{100 * mean(rows, 'mismatch/live/frac_abs_gt_ln2'):.2f}%"
+        row = (f"| {gpus} | {{wall}} | {sci(replay)} | {sci(live)} | {live / replay:.0f}x | "
+               f"{mean(rows, 'routing/agreement'):.3f} | 0 / {live_ln2} |")
+        prefix, _, suffix = row.partition("{wall}")
+        assert any(line.startswith(prefix) and line.endswith(suffix) for line in launcher.splitlines()), row
+        if gpus == 1:
+            assert f"{sci(replay)} against {sci(live)} ({live / replay:.0f}x)" in readme
