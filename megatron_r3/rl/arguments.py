@@ -97,10 +97,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                             "and grouped experts (every layout, on CPUs too). Default: transformer_engine on "
                             "GPUs where TransformerEngine is installed, else local")
     model.add_argument("--moe-grouped-gemm-impl", choices=GROUPED_GEMM_IMPLS, default=None,
-                       help="who runs grouped experts with TransformerEngine's layers: TE's TEGroupedMLP (the "
-                            "default: host split sizes, a GEMM set-up per expert on the host) or torch's grouped "
-                            "GEMM with the group offsets on the device (GroupedGemmExperts: no host sync on one "
-                            "expert rank, so the passes can be CUDA graphs); the local layers always use torch's")
+                       help="who runs grouped experts with TransformerEngine's layers: TE's TEGroupedMLP (host "
+                            "split sizes) or torch's grouped GEMM with the group offsets on the device "
+                            "(GroupedGemmExperts: no host sync on one expert rank, so the passes can be CUDA "
+                            "graphs). Default: TE's where its GroupedLinear runs one grouped GEMM on this node, "
+                            "else torch's (said at start-up); the local layers always use torch's")
     model.add_argument("--cp-comm-type", choices=("p2p", "a2a"), default="p2p",
                        help="TransformerEngine attention's context-parallel communication (TE layers only)")
     model.add_argument("--moe-permute-fusion", action="store_true",
