@@ -80,7 +80,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{time.perf_counter() - imported:.1f}", flush=True)
         train(settings, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
-        print(f"pretrain_gpt_r3.py: error: {error}", file=sys.stderr, flush=True)
+        for line in str(error).splitlines():  # one line per problem
+            print(f"pretrain_gpt_r3.py: error: {line}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         parallel_state.destroy_model_parallel()

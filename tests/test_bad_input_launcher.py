@@ -85,6 +85,8 @@ FLAG_CASES = [
     (["--task-min-symbols", "5", "--task-max-symbols", "4"],
      "--task-min-symbols 5 is larger than --task-max-symbols 4"),
     (["--load-optional"], "--load-optional needs --load"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--no-load-optim", "--no-load-rng"], "--no-load-optim needs --load"),
     (["--overwrite-metrics-file"], "--overwrite-metrics-file needs --metrics-file"),
     (["--allow-truncated-rollout-dump"], "--allow-truncated-rollout-dump needs --rollout-dump"),
     (["--drop-cut-metrics-line"], "--drop-cut-metrics-line needs --metrics-file"),

@@ -22,6 +22,9 @@ import torch.distributed as dist
 from megatron_r3.layers.hybrid_pattern import hybrid_num_layers, hybrid_virtual_stages
 from megatron_r3.layers.moe_layers import parse_moe_layer_freq
 from megatron_r3.layers.transformer_impl import GROUPED_GEMM_IMPLS, TRANSFORMER_IMPLS
+from megatron_r3.rl.checkpoint.checkpointing import checkpoint_flags
+from megatron_r3.rl.checkpoint.dirs import find_checkpoint
+from megatron_r3.rl.checkpoint.resume_flags import take_checkpoint_flags
 from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
 from megatron_r3.rl.profiling.profiler import ProfilingSettings, add_profiling_args, profiling_problems
 from megatron_r3.rl.rollout.engine import SamplingParams
@@ -194,6 +197,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     checkpoints.add_argument("--load-optional", action="store_true",
                              help="start from scratch when --load holds no checkpoint yet (so --load and --save may "
                                   "name the same directory for runs that restart)")
+    checkpoints.add_argument("--use-checkpoint-args", action="store_true",
+                             help="take the flags that must match the checkpoint's to resume (the model, the routing, "
+                                  "the rollout data and its staleness: docs/checkpoints.md) from --load's checkpoint "
+                                  "instead of refusing the run where they differ (Megatron-LM's flag)")
+    checkpoints.add_argument("--no-load-optim", action="store_true",
+                             help="resume without the checkpoint's optimizer state and learning-rate schedule: Adam "
+                                  "starts afresh (Megatron-LM's flag)")
+    checkpoints.add_argument("--no-load-rng", action="store_true",
+                             help="resume without the checkpoint's RNG states (Megatron-LM's flag)")
 
     rl = parser.add_argument_group("reinforcement learning")
     rl.add_argument("--task", choices=sorted(TRANSFORMS), default="reverse", help="the built-in task")
@@ -240,6 +252,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "them; without it the trainer routes live"))
     parser.set_defaults(add_bias_linear=False)
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args and args.load is not None:
+        _take_checkpoint_flags(args, parser)
     if args.r3_compare is None:
         args.r3_compare = args.rollout_dump is None
     if args.routing_replay_mode is not None and not args.moe_enable_routing_replay:
@@ -249,7 +263,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     problems = [f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}" for flag, needs in (
         ("save_interval", "save"), ("load_optional", "load"), ("append_metrics_file", "metrics_file"),
         ("overwrite_metrics_file", "metrics_file"), ("allow_truncated_rollout_dump", "rollout_dump"),
-        ("drop_cut_metrics_line", "metrics_file"))
+        ("drop_cut_metrics_line", "metrics_file"), ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
+        ("no_load_rng", "load"))
         if getattr(args, flag) not in (None, False) and getattr(args, needs) is None]
     problems += value_problems(args)
     if not problems:
@@ -263,6 +278,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if problems:  # one line each, without argparse's usage block
         parser.exit(2, "".join(f"{parser.prog}: error: {problem}\n" for problem in problems))
     return args
+
+
+def _take_checkpoint_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--use-checkpoint-args``: the flags a resumed run must share with ``--load``'s checkpoint, taken from it
+    (:mod:`megatron_r3.rl.checkpoint.resume_flags`), each one the flags gave otherwise said on rank 0.
+
+    Without a checkpoint there yet the given flags stand, as in Megatron-LM (``--load`` itself is checked
+    before the run builds anything).
+    """
+    try:
+        saved = checkpoint_flags(*find_checkpoint(args.load))
+    except FileNotFoundError:
+        return
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: --use-checkpoint-args: {error}\n")
+    if saved is None:
+        parser.exit(2, f"{parser.prog}: error: --use-checkpoint-args: the checkpoint of --load {args.load} was saved "
+                       f"without its flags (by an earlier version)\n")
+    for line in take_checkpoint_flags(args, saved):
+        if os.environ.get("RANK", "0") == "0":
+            print(f" {line}", flush=True)
 
 
 def layer_freq(args: argparse.Namespace):
@@ -485,7 +521,8 @@ def run_settings(args: argparse.Namespace) -> RunSettings:
         training_stack=training_stack_settings(args),
         profiling=profiling_settings(args),
         checkpoints=CheckpointSettings(save=args.save, save_interval=args.save_interval, load=args.load,
-                                       load_optional=args.load_optional),
+                                       load_optional=args.load_optional, load_optim=not args.no_load_optim,
+                                       load_rng=not args.no_load_rng),
         logging=LoggingSettings(interval=args.log_interval, phase_times=args.timing_log_level >= 1,
                                 count_host_syncs=args.count_host_syncs, metrics_file=args.metrics_file,
                                 append_metrics_file=args.append_metrics_file,

@@ -11,7 +11,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,12 @@ from megatron_r3.rl.checkpoint.checkpointing import (
     CheckpointReadError,
     CheckpointSaveError,
     NonFiniteCheckpointError,
+    checkpoint_flags,
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_r3.rl.checkpoint.dirs import find_checkpoint, save_directory_problem
+from megatron_r3.rl.checkpoint.dirs import find_checkpoint, iteration_dir, save_directory_problem
+from megatron_r3.rl.checkpoint.resume_flags import flag_mismatches, rollout_dump_problem
 from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
 from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
@@ -108,7 +110,9 @@ def check_outputs(
 
     ``--save`` must be writable on every rank (a probe file is created and removed);
     ``--load`` must name a checkpoint (a run directory or one ``iter_NNNNNNN`` folder in
-    it) unless ``--load-optional``; an existing ``--metrics-file`` is only written by the
+    it) unless ``--load-optional``, and the flags that must match its own to resume do
+    (:mod:`megatron_r3.rl.checkpoint.resume_flags`; one line per flag that does not, unless
+    ``--use-checkpoint-args`` took them); an existing ``--metrics-file`` is only written by the
     run it belongs to (a resumed run, a torchrun restart of the run that created it), or
     with ``--append-metrics-file`` / ``--overwrite-metrics-file``.
 
@@ -137,6 +141,9 @@ def check_outputs(
         except ValueError as error:
             problem = f"--load: {error}"
     raise_on_any_rank(problem)
+    if checkpoint is not None and not settings.flags.get("use_checkpoint_args"):
+        # One rank reads the checkpoint's flags (every rank would read the same file).
+        raise_on_any_rank(resume_flags_problem(checkpoint, settings.flags, log) if rank == 0 else None)
     mode, problem = "new", None
     if metrics.metrics_file is not None and rank == dist.get_world_size() - 1:  # the rank that writes it
         try:
@@ -161,6 +168,21 @@ def check_outputs(
     return checkpoint, mode
 
 
+def resume_flags_problem(checkpoint: tuple[str, int], flags: Mapping[str, Any],
+                         log: Callable[[str], None]) -> Optional[str]:
+    """The flags of this run that differ from ``checkpoint``'s where they must match, one line each, or None."""
+    path = iteration_dir(*checkpoint)
+    try:
+        saved = checkpoint_flags(*checkpoint)
+    except ValueError as error:
+        return f"--load: {error}"
+    if saved is None:
+        log(f" warning: --load {path} was saved without its flags (by an earlier version): they are not compared "
+            f"with this run's")
+        return None
+    return "\n".join(flag_mismatches(saved, flags, path)) or None
+
+
 def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
     """Every set of model chunks a checkpoint holds: the policy, and the engine's lagging weights."""
     models = {"model": run.trainer.stack.chunks}
@@ -173,13 +195,15 @@ def checkpoint_models(run: TrainingRun) -> dict[str, list[torch.nn.Module]]:
 
 def save(run: TrainingRun) -> None:
     """Saves the run at its current iteration to ``--save``."""
-    state = {"consumed_samples": run.consumed_samples, "args": dict(run.settings.flags)}
+    state = {"consumed_samples": run.consumed_samples}
     if run.engine is not None:
         state["rollout_weight_advances"] = run.engine.weights.advances
+    if isinstance(run.source, DumpRollouts):
+        state["rollout_dump"] = run.source.identity()
     stack = run.trainer.stack
     try:
         save_checkpoint(run.settings.checkpoints.save, run.iteration, checkpoint_models(run), stack.optimizer, state,
-                        stack.scheduler)
+                        stack.scheduler, flags=run.settings.flags)
     except (NonFiniteCheckpointError, CheckpointSaveError) as error:
         raise type(error)(f"--save: {error}") from None
 
@@ -203,14 +227,19 @@ def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callabl
     if checkpoint is None:
         return
     directory, iteration = checkpoint
+    resumed = run.settings.checkpoints
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RNGStateNotRestoredWarning)  # sampling is seeded per iteration
         stack = run.trainer.stack
         try:
-            run.iteration, state = load_checkpoint(directory, checkpoint_models(run), stack.optimizer, iteration,
-                                                   stack.scheduler)
+            run.iteration, state = load_checkpoint(
+                directory, checkpoint_models(run), stack.optimizer if resumed.load_optim else None, iteration,
+                stack.scheduler if resumed.load_optim else None, load_rng=resumed.load_rng)
         except (NonFiniteCheckpointError, CheckpointReadError) as error:
             raise type(error)(f"--load: {error}") from None
+    if isinstance(run.source, DumpRollouts):
+        raise_on_any_rank(rollout_dump_problem(state.get("rollout_dump"), run.source.identity(), run.source.path,
+                                               iteration_dir(directory, iteration)))
     run.consumed_samples = state["consumed_samples"]
     run.source.resume(run.consumed_samples)
     if run.engine is not None:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 from typing import Optional, Sequence, Union
 
@@ -298,8 +299,9 @@ def metrics_file_mode(exists: bool, resumed: bool, append: bool, overwrite: bool
     return "new", None
 
 
-def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
-    """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry.
+def check_dump_records(reader: RolloutDumpReader, log=print) -> tuple[str, str]:
+    """Reads every record of the dump once, each rank a contiguous share; returns the loss field all carry
+    and a digest of the records.
 
     Every record's CRC, routes, log-probs and loss fields are checked
     (:func:`~megatron_r3.dataplane.formats.dump_checks.check_records`), one record in memory at a time.
@@ -307,7 +309,8 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
     them, naming the first. Call it on every rank.
 
     Returns:
-        ``"advantage"`` when every sample has one, else ``"reward"`` when every sample has one.
+        ``"advantage"`` when every sample has one, else ``"reward"`` when every sample has one; and
+        a digest of every record's sample digest in order (what a checkpoint compares the dump by).
 
     Raises:
         RunCheckError: on every rank, naming the first bad record, a record with neither
@@ -324,7 +327,9 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (problem, missing, digests))
     _raise_first([p for p, _, _ in gathered])
-    repeats = repeated_records([d for _, _, rank_digests in gathered for d in rank_digests])
+    every = sorted(d for _, _, rank_digests in gathered for d in rank_digests)
+    records_digest = hashlib.blake2b(b"".join(digest for _, digest in every), digest_size=8).hexdigest()
+    repeats = repeated_records(every)
     if repeats:
         shown = ", ".join(f"record {r} = record {earlier}" for r, earlier in repeats[:3])
         log(f" warning: rollout dump {reader.name}: {len(repeats)} records repeat an earlier one (the same tokens, "
@@ -333,9 +338,9 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> str:
     gathered = [(p, m) for p, m, _ in gathered]
     first = {key: min((m[key] for _, m in gathered if m[key] is not None), default=None) for key in missing}
     if first["advantage"] is None:
-        return "advantage"
+        return "advantage", records_digest
     if first["reward"] is None:
-        return "reward"
+        return "reward", records_digest
     raise RunCheckError(f"rollout dump {reader.name}: record {first['reward']} has no 'reward' and record "
                         f"{first['advantage']} no 'advantage': the loss takes every sample's advantage, or "
                         f"normalises every sample's reward")

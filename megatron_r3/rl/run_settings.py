@@ -22,12 +22,16 @@ class CheckpointSettings:
         save_interval: Iterations between checkpoints; None: only at the end of training.
         load: Directory (or one ``iter_NNNNNNN`` folder in it) to resume from, or None.
         load_optional: Start from scratch when ``load`` holds no checkpoint yet.
+        load_optim: Resume the optimizer's state and learning-rate schedule (``--no-load-optim``: not).
+        load_rng: Resume the RNG states (``--no-load-rng``: not).
     """
 
     save: Optional[str] = None
     save_interval: Optional[int] = None
     load: Optional[str] = None
     load_optional: bool = False
+    load_optim: bool = True
+    load_rng: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ class RunSettings:
         seq_length: Length of a packed microbatch row.
         seed: Seeds Megatron's RNG and torch's.
         distributed_backend: The process groups' backend; None: NCCL on GPUs, gloo on CPUs.
-        flags: The parsed flags by name, saved with each checkpoint as a record of the run.
+        flags: The parsed flags by name, saved with each checkpoint: a resumed run compares them
+            (:mod:`megatron_r3.rl.checkpoint.resume_flags`).
     """
 
     model: ModelSettings

@@ -55,11 +55,12 @@ from megatron_r3.rl.checkpoint.rng import (
 )
 from megatron_r3.rl.trainer.training_stack import load_scheduler_state, scheduler_mismatch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the run's flags in the common state ("args")
+_READABLE_FORMATS = (2, 3)
 _FORMAT_KEY = "megatron_r3_checkpoint_format"
 # Top-level keys of the checkpoint's state dict besides the models'.
 _RESERVED_KEYS = frozenset({_FORMAT_KEY, "iteration", "parallel_layout", "rng_device", "state", "rng_state",
-                            "optimizer", "optimizer_step", "optimizer_tensors", "opt_param_scheduler"})
+                            "optimizer", "optimizer_step", "optimizer_tensors", "opt_param_scheduler", "args"})
 
 
 class NonFiniteCheckpointError(ValueError):
@@ -81,6 +82,7 @@ def save_checkpoint(
     optimizer: Optional[MegatronOptimizer],
     state: Any,
     scheduler: Optional[OptimizerParamScheduler] = None,
+    flags: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Save a checkpoint of ``iteration``; call it on every rank.
 
@@ -97,6 +99,9 @@ def save_checkpoint(
             rank 0's is saved. Each rank's RNG states (Python, NumPy, torch CPU,
             CUDA if available, Megatron's RNG tracker) are saved besides it.
         scheduler: The optimizer's learning-rate schedule (or ``None``).
+        flags: The run's flags by name (plain values: numbers, strings, lists), rank 0's saved
+            where :func:`checkpoint_flags` reads them without a process group, as Megatron-LM's
+            ``args`` (or ``None``).
 
     Returns:
         The directory of the checkpoint.
@@ -127,6 +132,8 @@ def save_checkpoint(
         sharded["optimizer_step"] = adam_step(optimizer)
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
+    if flags is not None:
+        sharded["args"] = dict(flags)
 
     bad = _first_on_any_rank(non_finite_tensors(sharded_tensors(sharded)) or None)
     if bad is not None:
@@ -163,6 +170,7 @@ def load_checkpoint(
     optimizer: Optional[MegatronOptimizer],
     iteration: Optional[int] = None,
     scheduler: Optional[OptimizerParamScheduler] = None,
+    load_rng: bool = True,
 ) -> tuple[int, Any]:
     """Load a checkpoint into ``models``, ``optimizer`` and ``scheduler``; call it on every rank.
 
@@ -182,6 +190,8 @@ def load_checkpoint(
         scheduler: Gets the saved schedule's step count; the schedule itself must be the
             checkpoint's unless the scheduler was built to override it or to take it
             (``--override-opt-param-scheduler``, ``--use-checkpoint-opt-param-scheduler``).
+        load_rng: Restore the RNG states (under the same layout); False: every rank keeps its own,
+            without a warning (``--no-load-rng``).
 
     Returns:
         ``(iteration, state)``: the loaded iteration and the ``state`` given to
@@ -204,12 +214,9 @@ def load_checkpoint(
     if not is_complete(path):
         raise FileNotFoundError(f"no checkpoint of iteration {iteration} in {directory}; complete checkpoints: "
                                 f"iterations {complete_iterations(directory)}")
-    if not os.path.isfile(os.path.join(path, ".metadata")):  # torch's reader would log tracebacks looking for it
-        raise CheckpointReadError(f"{path}: cannot read the checkpoint: its index of tensors, .metadata, is missing")
-    common = _read(path, lambda: dist_checkpointing.load_common_state_dict(path))
-    if common.get(_FORMAT_KEY) != FORMAT_VERSION:
-        raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {FORMAT_VERSION} "
-                         f"({_FORMAT_KEY} is {common.get(_FORMAT_KEY)!r})")
+    _check_index(path)
+    common = _read(path, lambda: _common_state(path))
+    _check_format(path, common)
     for name, wanted in (("optimizer", optimizer), ("opt_param_scheduler", scheduler)):
         if wanted is not None and name not in common:
             raise ValueError(f"{path} holds no {name} state (it was saved without one)")
@@ -228,7 +235,7 @@ def load_checkpoint(
                                                metadata=OPTIMIZER_METADATA)
         sharded["optimizer_tensors"], optimizer_structure = extract_sharded_tensors_or_nonpersistent(request)
     same_ranks = common["parallel_layout"] == parallel_layout() and common["rng_device"] == rng_device()
-    if same_ranks:
+    if same_ranks and load_rng:
         sharded["rng_state"] = rng_state_object(None)
     _check_tensors_fit(path, sharded)
 
@@ -243,14 +250,51 @@ def load_checkpoint(
         optimizer.load_state_dict(merge(optimizer_structure, loaded["optimizer_tensors"]))
     if scheduler is not None:
         load_scheduler_state(scheduler, loaded["opt_param_scheduler"])
-    if same_ranks:
+    if same_ranks and load_rng:
         set_rng_states(loaded["rng_state"])
-    else:
+    elif load_rng:
         warnings.warn(
             f"RNG states not restored from {path}: it was saved under {common['parallel_layout']} on "
             f"{common['rng_device']}, this run is {parallel_layout()} on {rng_device()}; every rank keeps "
             "its current RNG states", RNGStateNotRestoredWarning, stacklevel=2)
     return iteration, loaded["state"]
+
+
+def checkpoint_flags(directory: str, iteration: int) -> Optional[dict]:
+    """The flags the checkpoint of ``iteration`` in ``directory`` was saved with (:func:`save_checkpoint`'s
+    ``flags``), or None for one saved without them; reads its common state only, on this process alone.
+
+    Raises:
+        CheckpointReadError: the checkpoint's common state cannot be read.
+        ValueError: not a megatron_r3 checkpoint of a readable format.
+    """
+    path = iteration_dir(directory, iteration)
+    _check_index(path)
+    try:
+        common = _common_state(path)
+    except (Exception, CheckpointException) as error:  # as _read, without the other ranks
+        raise CheckpointReadError(f"{path}: cannot read the checkpoint: {_cause(error)}") from None
+    _check_format(path, common)
+    return common.get("args")
+
+
+def _check_index(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, ".metadata")):  # torch's reader would log tracebacks looking for it
+        raise CheckpointReadError(f"{path}: cannot read the checkpoint: its index of tensors, .metadata, is missing")
+
+
+def _common_state(path: str) -> dict:
+    """The checkpoint's common state (rank 0's objects), read by this process alone."""
+    with warnings.catch_warnings():  # torch says it assumes a read by one process: that is the intent
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        return dist_checkpointing.load_common_state_dict(path)
+
+
+def _check_format(path: str, common: Mapping) -> None:
+    if common.get(_FORMAT_KEY) not in _READABLE_FORMATS:
+        raise ValueError(f"{path} is not a megatron_r3 checkpoint of format {', '.join(map(str, _READABLE_FORMATS))} "
+                         f"({_FORMAT_KEY} is {common.get(_FORMAT_KEY)!r})")
 
 
 def _chunks_by_key(models: Mapping[str, Sequence[torch.nn.Module]]) -> dict[str, tuple[str, torch.nn.Module]]:

@@ -126,7 +126,7 @@ class DumpRollouts:
         try:
             self._check_footer(settings.allow_truncated_dump, log)
             check_dump(self.reader, model, seq_length)
-            self.loss_field = check_dump_records(self.reader, log)
+            self.loss_field, self._records_digest = check_dump_records(self.reader, log)
         except BaseException:
             self.reader.close()
             raise
@@ -151,6 +151,11 @@ class DumpRollouts:
         return DataParallelDumpShard(self.reader, parallel_state.get_data_parallel_rank(),
                                      parallel_state.get_data_parallel_world_size(), self.global_batch,
                                      consumed_samples=consumed_samples)
+
+    def identity(self) -> dict:
+        """What tells this dump's content from another's, wherever it lies: its record count and a digest of
+        its records (a checkpoint keeps it, and a run that resumes must train on the same dump)."""
+        return {"records": len(self.reader), "digest": self._records_digest}
 
     def resume(self, consumed_samples: int) -> None:
         """Continue after the first ``consumed_samples`` samples (a checkpoint's data position)."""
