@@ -13,8 +13,8 @@ help:
 	@echo "make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS=...]   download what make install needs on an offline CUDA node (tools/wheelhouse.py)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
-	@echo "make check-patches  apply patches/ to a pristine sdist, then patches/cpu/ on top; fail on fuzz, offsets or a bad header"
-	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply patches/ (CPU=1: and patches/cpu/) to your checkout"
+	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
+	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only)"
 	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
 
 install:
@@ -56,7 +56,7 @@ SDIST := build/$(word 2,$(shell $(PYTHON) tools/patch_series.py base))
 check-patches:
 	@mkdir -p build
 	@test -f $(SDIST) || $(PYTHON) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python megatron-core==$(BASE) -d build
-	$(PYTHON) tools/patch_series.py check $(SDIST)
+	$(PYTHON) tools/patch_series.py check $(SDIST) $(if $(MEGATRON),--megatron "$(MEGATRON)")
 
 patch:
 	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM [CPU=1]" >&2; exit 2; }

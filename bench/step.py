@@ -69,7 +69,7 @@ from megatron_r3.rl.model import factory as model_factory
 from megatron_r3.rl.model.passes import run_pass
 from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
-from megatron_r3.routing_replay import chunk_moe_layers, host_counts_unsupported
+from megatron_r3.routing_replay import chunk_moe_layers, host_counts_refused
 
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
 ROLLOUT_VARIANTS = VARIANTS + ("replay-live-tail",)
@@ -331,7 +331,7 @@ def main(argv=None):
         if unknown:
             raise SystemExit(f"bench.step: unknown --variants {sorted(unknown)}; choose from {variants}")
         variants = tuple(v for v in variants if v in chosen)
-    why = host_counts_unsupported(config)
+    why = host_counts_refused(config)
     if why is not None:  # the core refuses host counts here: those variants cannot run
         print(f"bench.step: skipping the replay+host-splits variants: {why}", file=sys.stderr)
         variants = tuple(v for v in variants if not v.startswith("replay+host-splits"))

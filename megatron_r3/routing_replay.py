@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting, host_counts_unsupported
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "MoERouting",
     "add_routing_replay_args",
     "chunk_moe_layers",
-    "host_counts_unsupported",
+    "host_counts_refused",
     "RoutingReplaySettings",
     "moe_routing_for_chunk",
 ]
@@ -43,6 +44,13 @@ def _language_model(model_chunk):
     if not hasattr(module, "decoder"):
         raise TypeError(f"{type(model_chunk).__name__} does not wrap a model with a decoder")
     return module
+
+
+def host_counts_refused(config) -> Optional[str]:
+    """Why this process's MoE layers cannot take host token counts, or None: Megatron's
+    ``host_counts_unsupported`` for the expert tensor-and-model-parallel group of its parallel
+    state (the group the models built here dispatch over)."""
+    return host_counts_unsupported(config, parallel_state.get_expert_tensor_and_model_parallel_world_size())
 
 
 def chunk_moe_layers(model_chunk) -> list:
@@ -85,7 +93,7 @@ def moe_routing_for_chunk(
             token counts of every rank of the expert tensor-and-model-parallel group, when
             every token replays a route, the same matrix on every rank of the group (the
             all-gather of :mod:`megatron_r3.dataplane.device.expert_counts` gives it), and only where
-            :func:`host_counts_unsupported` is None for the model's config: the alltoall
+            :func:`host_counts_refused` is None for the model's config: the alltoall
             dispatcher then takes its split sizes from the host, with no device sync. They
             are trusted until ``MoERouting.verify()`` (counts right in sum but wrong per expert
             send tokens to the wrong experts): call it after the pass, where the host waits anyway.

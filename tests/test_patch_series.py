@@ -1,4 +1,5 @@
-"""The patch tooling: check, apply to a checkout, refuse a wrong base or a patched tree."""
+"""The patch tooling: pull requests with a form per base, checked with git am, applied to the
+base a checkout is, refused for an unknown base or a patched tree."""
 
 import subprocess
 import sys
@@ -10,81 +11,94 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = [sys.executable, str(ROOT / "tools" / "patch_series.py")]
 
+import patch_series  # noqa: E402  (tools/ is on sys.path: conftest)
+
 
 def run_tool(*args):
     return subprocess.run([*TOOL, *args], capture_output=True, text=True)
+
+
+def git(tree, *args):
+    ident = ["-c", "user.name=T Tester", "-c", "user.email=t@example.com"]
+    return subprocess.run(["git", *ident, *args], cwd=tree, check=True, capture_output=True,
+                          text=True).stdout
 
 
 def git_checkout(sdist, dest):
     with tarfile.open(sdist) as tar:
         tar.extractall(dest, filter="data")
     (tree,) = Path(dest).iterdir()
-    env = ["-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=tree, check=True)
-    subprocess.run(["git", *env, "commit", "-qm", "base"], cwd=tree, check=True)
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "base")
     return tree
 
 
-def test_series_applies_cleanly_with_headers(megatron_sdist):
+def install_form():
+    return patch_series.form_files(patch_series.BASES[patch_series.INSTALL_BASE])
+
+
+# The real series on the pinned sdist.
+
+
+def test_every_pull_request_and_the_stack_apply_with_git_am(megatron_sdist):
     proc = run_tool("check", megatron_sdist)
     assert proc.returncode == 0, proc.stderr
-    series = (ROOT / "patches" / "series").read_text().split()
-    assert series and all(f"ok  {name}" in proc.stdout for name in series)
+    for pr in patch_series.pull_requests():
+        assert f"ok  {pr.name} (" in proc.stdout
+    assert all(f"ok  {patch_series.label(p)}" in proc.stdout
+               for p in install_form() + patch_series.cpu_files())
+    assert "main: NOT CHECKED (no Megatron-LM checkout of it given" in proc.stdout
+
+
+def test_every_patch_is_signed_off_and_no_header_names_tests_outside_it():
+    for pr in patch_series.pull_requests():
+        for base in patch_series.BASES.values():
+            for path in patch_series.pr_files(pr, base):
+                head = path.read_text().split("\n---\n", 1)[0]
+                assert "\nSigned-off-by: " in head, path
+                assert "the project's" not in head, path
 
 
 def test_apply_to_checkout_then_refuse_second_time(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
     first = run_tool("apply", str(tree))
     assert first.returncode == 0, first.stderr
-    changed = subprocess.run(["git", "diff", "--name-only"], cwd=tree, capture_output=True, text=True)
-    assert "megatron/core/transformer/moe/router.py" in changed.stdout
+    assert "(0.19 form)" in first.stdout
+    changed = git(tree, "diff", "--name-only")
+    assert "megatron/core/transformer/moe/router.py" in changed
     second = run_tool("apply", str(tree))
     assert second.returncode == 1
     assert "already has the megatron-r3 series applied" in second.stderr
 
 
-def test_plain_git_apply_of_the_diffs_in_name_order(megatron_sdist, tmp_path):
-    """The documented `git apply patches/*.diff`: the shell's name order is the series order."""
-    series = (ROOT / "patches" / "series").read_text().split()
-    diffs = sorted(p.name for p in (ROOT / "patches").glob("*.diff"))
-    assert diffs == series
+def test_git_am_of_each_pull_request_in_series_order(megatron_sdist, tmp_path):
+    """What a maintainer does: `git am patches/<pr>/0.19/*.diff`, pull request by pull request
+    (the shell's name order is each series' order)."""
     tree = git_checkout(megatron_sdist, tmp_path)
-    proc = subprocess.run(["git", "apply", *(str(ROOT / "patches" / name) for name in diffs)],
-                          cwd=tree, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    for pr in patch_series.pull_requests():
+        folder = ROOT / "patches" / pr.name / "0.19"
+        diffs = sorted(folder.glob("*.diff"))
+        assert [d.name for d in diffs] == (folder / "series").read_text().split()
+        git(tree, "am", "-q", *map(str, diffs))
     assert run_tool("apply", str(tree)).returncode == 1  # and the tool sees the series applied
 
 
-def test_refuse_wrong_base(megatron_sdist, tmp_path):
+def test_an_unknown_base_is_refused_naming_the_supported_ones(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
     info = tree / "megatron/core/package_info.py"
     info.write_text(info.read_text().replace("MINOR = 19", "MINOR = 16").replace("PATCH = 2", "PATCH = 1"))
     proc = run_tool("apply", str(tree))
     assert proc.returncode == 1
-    assert "Megatron-Core 0.16.1" in proc.stderr and "targets 0.19.2" in proc.stderr
-    assert "core_v0.19.0" in proc.stderr and "0.16.1 is named in the README" in proc.stderr
-    assert subprocess.run(["git", "diff", "--quiet", "--", "megatron/core/transformer"], cwd=tree).returncode == 0
+    assert "Megatron-Core 0.16.1, which the series has no form for" in proc.stderr
+    assert "0.19.2 (the megatron-core 0.19.2 release" in proc.stderr
+    assert "core_v0.19.0" in proc.stderr and "0.20.0 (Megatron-LM main at d98e8a64dd" in proc.stderr
+    assert git(tree, "diff", "--name-only", "--", "megatron/core/transformer") == ""
 
 
 def test_refuse_a_tree_that_is_not_megatron(tmp_path):
     proc = run_tool("apply", str(tmp_path))
     assert proc.returncode == 1 and "not a Megatron-LM checkout" in proc.stderr
-
-
-def test_check_rejects_a_patch_without_header(megatron_sdist, tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
-    import patch_series
-
-    bad_dir = tmp_path / "patches"
-    bad_dir.mkdir()
-    first = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[0]).read_text()
-    body = first.split("\n---\n", 1)[1]
-    (bad_dir / "0001-bare.diff").write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + body)
-    (bad_dir / "series").write_text("0001-bare.diff\n")
-    monkeypatch.setattr(patch_series, "PATCH_DIR", bad_dir)
-    with pytest.raises(patch_series.SeriesError, match="Why:"):
-        patch_series.check_series(megatron_sdist)
 
 
 def test_installed_megatron_is_the_patched_fork():
@@ -110,164 +124,216 @@ def test_a_late_conflict_leaves_the_tree_untouched(megatron_sdist, tmp_path):
     tree = git_checkout(megatron_sdist, tmp_path)
     # A local edit to a pristine file that the last patch changes (so do earlier patches, but
     # not the first) must stop the whole series before the first patch is written.
-    last = (ROOT / "patches" / (ROOT / "patches" / "series").read_text().split()[-1]).read_text()
-    touched = [part.split()[0] for part in last.split("diff --git a/")[1:]]
+    touched = [part.split()[0] for part in install_form()[-1].read_text().split("diff --git a/")[1:]]
     target = next(path for path in touched if (tree / path).is_file())
     (tree / target).write_text("# a local change the series does not expect\n")
     proc = run_tool("apply", str(tree))
     assert proc.returncode == 1 and "does not apply" in proc.stderr
-    changed = subprocess.run(["git", "diff", "--name-only"], cwd=tree, capture_output=True, text=True)
-    assert changed.stdout.split() == [target]
+    assert git(tree, "diff", "--name-only").split() == [target]
 
 
-# The two series (upstream, then CPU on top), on a synthetic megatron-core tree.
-import patch_series  # noqa: E402  (tools/ is on sys.path: conftest)
+# Synthetic bases: a Megatron-LM history with a 0.19 tag and a later main, and patches/ of three
+# pull requests ('one', 'two', and 'three' that needs 'one') plus the CPU series.
 
 LAYER = "megatron/core/layer.py"
 
 
-def git(tree, *args):
-    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
-    return subprocess.run(["git", *ident, *args], cwd=tree, check=True, capture_output=True,
-                          text=True).stdout
+def package_info(version):
+    major, minor, patch = version
+    return (f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nVERSION = (MAJOR, MINOR, PATCH)\n"
+            + patch_series.VERSION_LINE + "\n" + "    " + patch_series.VCS_SUFFIX_LINE + "\n")
 
 
 def change_line(tree, number, text, subject, cpu=False):
-    """Commit one changed line of layer.py; `cpu` marks the commit for the CPU series."""
+    """Commit one changed line of layer.py, signed off; `cpu` marks the commit for the CPU series."""
     path = Path(tree) / LAYER
     lines = path.read_text().splitlines(keepends=True)
     lines[number] = text + "\n"
     path.write_text("".join(lines))
     trailer = f"\n{patch_series.SERIES_TRAILER}: {patch_series.CPU_SERIES}\n" if cpu else ""
-    git(tree, "commit", "-qam", f"{subject}\n\nWhy: a test needs it.\n\nWhat: line {number}.\n{trailer}")
-
-
-def synthetic_sdist(tmp_path):
-    """A tiny megatron-core 0.19.2 sdist: package_info.py and a layer.py of 20 lines.
-    Returns it and a git checkout of it, tagged 'base'."""
-    top = tmp_path / "src" / "megatron-core-0.19.2"
-    (top / "megatron/core").mkdir(parents=True)
-    (top / patch_series.PACKAGE_INFO).write_text(
-        "MAJOR = 0\nMINOR = 19\nPATCH = 2\nVERSION = (MAJOR, MINOR, PATCH)\n"
-        + patch_series.VERSION_LINE + "\n" + "    " + patch_series.VCS_SUFFIX_LINE + "\n"
-    )
-    (top / LAYER).write_text("".join(f"line {i}\n" for i in range(20)))
-    sdist = tmp_path / "megatron_core-0.19.2.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        tar.add(top, arcname=top.name)
-    repo = git_checkout(sdist, tmp_path / "repo")
-    git(repo, "tag", "base")
-    return sdist, repo
+    git(tree, "commit", "-s", "-qam", f"{subject}\n\nWhy: a test needs it.\n\nWhat: line {number}.\n{trailer}")
 
 
 @pytest.fixture
 def synthetic(tmp_path, monkeypatch):
-    """The synthetic sdist, its checkout and patches/ of two series:
-    upstream 'one' and 'two', and 'cpu' (line 2, changed by 'one' first) on top."""
-    sdist, repo = synthetic_sdist(tmp_path)
-    change_line(repo, 2, "upstream one", "layer: one")
-    change_line(repo, 10, "upstream two", "layer: two")
-    change_line(repo, 2, "cpu on top of one", "layer: cpu", cpu=True)
-    monkeypatch.setattr(patch_series, "PATCH_DIR", tmp_path / "patches")
-    patch_series.export_series(repo, "base")
-    return sdist, repo
+    """{'history', 'sdist', 'main', 'ws019', 'wsmain'}: the history, a 0.19.2 sdist of the tag's
+    files, a checkout of main, and one workspace per base, exported to patches/."""
+    history = tmp_path / "history"
+    (history / "megatron/core").mkdir(parents=True)
+    git(history, "init", "-q")
+    (history / patch_series.PACKAGE_INFO).write_text(package_info((0, 19, 1)))
+    (history / LAYER).write_text("".join(f"line {i}\n" for i in range(30)))
+    git(history, "add", "-A")
+    git(history, "commit", "-qm", "0.19")
+    git(history, "tag", "v0.19")
+    (history / patch_series.PACKAGE_INFO).write_text(package_info((0, 20, 0)))
+    layer = history / LAYER
+    layer.write_text(layer.read_text().replace("line 25\n", "line 25 on main\n"))
+    git(history, "commit", "-qam", "main")
+    main_commit = git(history, "rev-parse", "HEAD").strip()
+
+    top = tmp_path / "src" / "megatron-core-0.19.2"
+    (top / "megatron/core").mkdir(parents=True)
+    (top / patch_series.PACKAGE_INFO).write_text(package_info((0, 19, 2)))
+    (top / LAYER).write_text(git(history, "show", f"v0.19:{LAYER}"))
+    sdist = tmp_path / "megatron_core-0.19.2.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(top, arcname=top.name)
+
+    bases = {
+        "0.19": patch_series.Base("0.19", {(0, 19, 2): "the sdist", (0, 19, 1): "the tag"},
+                                  commit="v0.19", cpu_series=True),
+        "main": patch_series.Base("main", {(0, 20, 0): "main"}, commit=main_commit,
+                                  cpu_series=False),
+    }
+    monkeypatch.setattr(patch_series, "BASES", bases)
+    patches = tmp_path / "patches"
+    for name in ("one", "two", "three"):
+        (patches / name).mkdir(parents=True)
+    (patches / "series").write_text("one\ntwo\nthree: one\n")
+    monkeypatch.setattr(patch_series, "PATCH_DIR", patches)
+
+    workspaces = {}
+    for base, start in (("0.19", "v0.19"), ("main", main_commit)):
+        ws = tmp_path / f"ws-{base}"
+        subprocess.run(["git", "clone", "-q", str(history), str(ws)], check=True)
+        git(ws, "checkout", "-q", "-b", "r3", start)
+        git(ws, "tag", "base")
+        change_line(ws, 2, "one", "layer: one")
+        git(ws, "tag", "pr/one")
+        change_line(ws, 10, "two", "layer: two")
+        git(ws, "tag", "pr/two")
+        change_line(ws, 4, "three after one", "layer: three")
+        git(ws, "tag", "pr/three")
+        if base == "0.19":
+            change_line(ws, 10, "cpu on top of two", "layer: cpu", cpu=True)
+        patch_series.export_series(ws, bases[base])
+        workspaces[base] = ws
+    main = tmp_path / "main-checkout"
+    subprocess.run(["git", "clone", "-q", str(history), str(main)], check=True)
+    git(main, "checkout", "-q", main_commit)
+    return dict(history=history, sdist=sdist, main=main, ws019=workspaces["0.19"],
+                wsmain=workspaces["main"])
 
 
-def test_export_writes_each_commit_to_its_series(synthetic):
+def test_export_writes_each_pull_request_per_base(synthetic):
     patches = patch_series.PATCH_DIR
-    assert (patches / "series").read_text().split() == ["0001-layer-one.diff", "0002-layer-two.diff"]
+    assert (patches / "one/0.19/series").read_text().split() == ["0001-layer-one.diff"]
+    assert (patches / "three/main/series").read_text().split() == ["0001-layer-three.diff"]
     assert (patches / "cpu/series").read_text().split() == ["0001-layer-cpu.diff"]
     assert "Series: cpu" in (patches / "cpu/0001-layer-cpu.diff").read_text()
-    assert "Series:" not in (patches / "0002-layer-two.diff").read_text()
+    # Real blob ids: main's form names main's layer.py, the 0.19 form the tag's.
+    history = synthetic["history"]
+    for base, rev in (("0.19", "v0.19"), ("main", "HEAD")):
+        blob = git(history, "rev-parse", f"{rev}:{LAYER}").strip()
+        assert f"index {blob[:7]}" in (patches / f"one/{base}/0001-layer-one.diff").read_text()
 
 
-def test_export_refuses_an_upstream_commit_after_the_cpu_series(synthetic):
-    _, repo = synthetic
-    change_line(repo, 15, "upstream three", "layer: three")
-    with pytest.raises(patch_series.SeriesError, match="layer: three.*move it before the CPU"):
-        patch_series.export_series(repo, "base")
-
-
-def test_export_refuses_an_unknown_series(synthetic):
-    _, repo = synthetic
-    path = Path(repo) / LAYER
-    path.write_text(path.read_text() + "more\n")
-    git(repo, "commit", "-qam", "layer: more\n\nWhy: w.\n\nWhat: w.\n\nSeries: gpu\n")
-    with pytest.raises(patch_series.SeriesError, match="'Series: gpu'"):
-        patch_series.export_series(repo, "base")
-
-
-def test_check_applies_upstream_then_cpu_on_top(synthetic, capsys):
-    sdist, _ = synthetic
-    patch_series.check_series(sdist)
+def test_check_runs_each_pull_request_with_its_prerequisites_and_says_main_was_not_checked(
+    synthetic, capsys
+):
+    patch_series.check_series(synthetic["sdist"])
     out = capsys.readouterr().out
-    assert "ok  0002-layer-two.diff\nok  cpu/0001-layer-cpu.diff\n" in out
-    assert "2 upstream and 1 CPU patches apply cleanly" in out
-    # A CPU patch that no longer applies on top of the upstream series fails the check.
-    cpu_patch = patch_series.PATCH_DIR / "cpu/0001-layer-cpu.diff"
-    cpu_patch.write_text(cpu_patch.read_text().replace("-upstream one", "-line 2"))
-    with pytest.raises(patch_series.SeriesError, match="cpu/0001-layer-cpu.diff does not apply"):
-        patch_series.check_series(sdist)
+    assert "ok  two (1 patches) on the 0.19 base\n" in out
+    assert "ok  three (1 patches) on the 0.19 base with one\n" in out
+    assert "ok  cpu/0001-layer-cpu.diff" in out
+    assert "main: NOT CHECKED" in out
+    patch_series.check_series(synthetic["sdist"], synthetic["main"])
+    out = capsys.readouterr().out
+    assert "ok  three (1 patches) on the main base with one\n" in out
+    assert "main: 3 patches apply with git am to" in out
 
 
-def test_check_refuses_a_cpu_patch_over_the_last_upstream_one(synthetic):
-    """apply tells a patched tree by its series' last patch: no later patch may change it."""
-    sdist, repo = synthetic
-    change_line(repo, 10, "cpu on top of two", "layer: cpu two", cpu=True)
-    patch_series.export_series(repo, "base")
-    with pytest.raises(patch_series.SeriesError, match="lines of 0002-layer-two.diff, the last"):
-        patch_series.check_series(sdist)
+def test_check_refuses_a_pull_request_that_needs_an_undeclared_one(synthetic):
+    (patch_series.PATCH_DIR / "series").write_text("one\ntwo\nthree\n")
+    with pytest.raises(patch_series.SeriesError,
+                       match="three/0.19/0001-layer-three.diff does not apply with git am "
+                             r"\(three on the 0.19 base\)"):
+        patch_series.check_series(synthetic["sdist"])
 
 
-def test_check_refuses_a_misfiled_patch(synthetic):
-    sdist, _ = synthetic
-    upstream_patch = patch_series.PATCH_DIR / "0001-layer-one.diff"
-    text = upstream_patch.read_text()
-    upstream_patch.write_text(text.replace("What: line 2.\n", "What: line 2.\n\nSeries: cpu\n"))
+def test_check_refuses_an_unsigned_or_misfiled_patch(synthetic):
+    path = patch_series.PATCH_DIR / "one/0.19/0001-layer-one.diff"
+    text = path.read_text()
+    path.write_text(text.replace("Signed-off-by:", "Reviewed-by:"))
+    with pytest.raises(patch_series.SeriesError, match="0001-layer-one.diff: no 'Signed-off-by:'"):
+        patch_series.check_series(synthetic["sdist"])
+    path.write_text(text.replace("What: line 2.\n", "What: line 2.\n\nSeries: cpu\n"))
     with pytest.raises(patch_series.SeriesError, match="0001-layer-one.diff: its header has"):
-        patch_series.check_series(sdist)
+        patch_series.check_series(synthetic["sdist"])
+    path.write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + text.split("\n---\n", 1)[1])
+    with pytest.raises(patch_series.SeriesError, match="Why:"):
+        patch_series.check_series(synthetic["sdist"])
 
 
-def test_apply_upstream_then_cpu_on_request(synthetic, tmp_path):
-    sdist, _ = synthetic
-    tree = git_checkout(sdist, tmp_path / "user")
-    layer = tree / LAYER
-    patch_series.apply_series(tree)
-    assert "upstream one" in layer.read_text() and "upstream two" in layer.read_text()
+def test_apply_recognises_the_base_of_each_checkout(synthetic, tmp_path):
+    main = synthetic["main"]
+    patch_series.apply_series(main)
+    assert "three after one" in (main / LAYER).read_text()
+    assert "line 25 on main" in (main / LAYER).read_text()
     with pytest.raises(patch_series.SeriesError, match="already has the megatron-r3 series"):
-        patch_series.apply_series(tree)
-    patch_series.apply_series(tree, cpu=True)  # only the CPU series is left to apply
-    assert "cpu on top of one" in layer.read_text() and "upstream two" in layer.read_text()
-    with pytest.raises(patch_series.SeriesError, match="the CPU series too"):
-        patch_series.apply_series(tree, cpu=True)
+        patch_series.apply_series(main)
+    tag = tmp_path / "tag"
+    subprocess.run(["git", "clone", "-q", str(synthetic["history"]), str(tag)], check=True)
+    git(tag, "checkout", "-q", "v0.19")
+    with pytest.raises(patch_series.SeriesError, match="the CPU series has a form for the 0.19"):
+        patch_series.apply_series(main, cpu=True)
+    patch_series.apply_series(tag, cpu=True)
+    assert "cpu on top of two" in (tag / LAYER).read_text()
 
 
-def test_build_applies_both_series(synthetic, tmp_path):
-    sdist, _ = synthetic
+def test_a_main_checkout_that_moved_on_names_the_files_that_differ(synthetic):
+    main = synthetic["main"]
+    layer = main / LAYER
+    layer.write_text(layer.read_text().replace("line 2\n", "line 2 changed upstream\n"))
+    with pytest.raises(patch_series.SeriesError) as err:
+        patch_series.apply_series(main)
+    assert "main/0001-layer-one.diff does not apply" in str(err.value)
+    assert f"these files differ from {patch_series.BASES['main'].commit}" in str(err.value)
+    assert LAYER in str(err.value)
+
+
+def test_build_applies_the_install_form_and_the_cpu_series(synthetic, tmp_path):
     out = tmp_path / "built"
-    patch_series.build_tree(sdist, out)
+    patch_series.build_tree(synthetic["sdist"], out)
     text = (out / LAYER).read_text()
-    assert "upstream two" in text and "cpu on top of one" in text
+    assert "three after one" in text and "cpu on top of two" in text
     info = (out / patch_series.PACKAGE_INFO).read_text()
     assert "'+r3'" in info and "__version__ += f'.{_git" in info
 
 
 def test_workspace_and_export_round_trip(synthetic, tmp_path):
-    sdist, _ = synthetic
     before = {p.relative_to(patch_series.PATCH_DIR): p.read_bytes()
               for p in patch_series.PATCH_DIR.rglob("*") if p.is_file()}
-    workspace = tmp_path / "ws"
-    patch_series.make_workspace(sdist, workspace)
-    assert git(workspace, "log", "--format=%(trailers:key=Series,valueonly)%s", "base..HEAD").split(
-        "\n")[:3] == ["cpu", "layer: cpu", "layer: two"]
-    patch_series.export_series(workspace, "base")
+    for base in ("0.19", "main"):
+        ws = tmp_path / f"round-{base}"
+        patch_series.make_workspace(patch_series.BASES[base], synthetic["history"], ws)
+        patch_series.export_series(ws, patch_series.BASES[base])
     after = {p.relative_to(patch_series.PATCH_DIR): p.read_bytes()
              for p in patch_series.PATCH_DIR.rglob("*") if p.is_file()}
     assert after == before
 
 
-def test_digest_covers_the_cpu_series(synthetic):
+def test_export_refuses_a_tag_off_the_history_and_an_unmarked_commit_after_the_last(synthetic):
+    ws = synthetic["ws019"]
+    change_line(ws, 20, "late", "layer: late")
+    with pytest.raises(patch_series.SeriesError, match="layer: late.*lacks 'Series: cpu'"):
+        patch_series.export_series(ws, patch_series.BASES["0.19"])
+    git(ws, "reset", "-q", "--hard", "HEAD~1")
+    git(ws, "checkout", "-q", "-b", "side", "base")
+    change_line(ws, 12, "side", "layer: side")
+    git(ws, "tag", "-f", "pr/two")  # a commit HEAD's history does not hold
+    git(ws, "checkout", "-q", "r3")
+    with pytest.raises(patch_series.SeriesError, match="tag pr/two is missing or not on HEAD"):
+        patch_series.export_series(ws, patch_series.BASES["0.19"])
+
+
+def test_digest_covers_the_install_form_and_the_cpu_series(synthetic):
     first = patch_series.series_digest()
     cpu_patch = patch_series.PATCH_DIR / "cpu/0001-layer-cpu.diff"
-    cpu_patch.write_text(cpu_patch.read_text().replace("What: line 2.", "What: line two."))
-    assert patch_series.series_digest() != first
+    cpu_patch.write_text(cpu_patch.read_text().replace("What: line", "What: the line"))
+    second = patch_series.series_digest()
+    assert second != first
+    main_patch = patch_series.PATCH_DIR / "one/main/0001-layer-one.diff"
+    main_patch.write_text(main_patch.read_text().replace("What: line", "What: the line"))
+    assert patch_series.series_digest() == second  # make install applies the 0.19 form only

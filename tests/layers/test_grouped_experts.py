@@ -242,7 +242,7 @@ def _dispatch_worker(layout, flags, bias):
     init_parallel(layout)
     try:
         _, (chunk,) = build_gpt(layout, dataclasses.replace(MODEL, add_bias_linear=bias), flags=flags)
-        return [m.token_dispatcher.counts_stay_on_device() for m in chunk.modules() if hasattr(m, "token_dispatcher")]
+        return [m.token_dispatcher.counts_stay_on_device for m in chunk.modules() if hasattr(m, "token_dispatcher")]
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -63,7 +63,7 @@ def token_counts_stay_on_device(chunk: torch.nn.Module) -> bool:
     leaves them there (the alltoall one, dropless, at one expert rank: ``counts_stay_on_device``;
     the allgather one reads them back) and its experts take them there."""
     return all(getattr(layer.experts, "takes_device_tokens_per_expert", False)
-               and getattr(layer.token_dispatcher, "counts_stay_on_device", lambda: False)()
+               and getattr(layer.token_dispatcher, "counts_stay_on_device", False)
                for layer in chunk.modules() if isinstance(layer, MoELayer))
 
 

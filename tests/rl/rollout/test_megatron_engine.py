@@ -180,7 +180,7 @@ needs_megatron_engine = pytest.mark.skipif(
 
 MODEL = TinyMoE(vocab_size=48, hidden_size=64)  # 4 heads of 16: flash-attn-4 pages it
 # Completions of 6 tokens, and of 200: a request's KV then spans two of flash-attn-4's 128-token key
-# tiles, where its split heuristic splits the KV (which it cannot on SM90: patch 0021).
+# tiles, where its split heuristic splits the KV (which it cannot on SM90: patch non-replay 0003).
 GREEDY = {"short": (MODEL, 6),
           "past-one-key-tile": (TinyMoE(vocab_size=48, hidden_size=64, max_sequence_length=256), 200)}
 

@@ -1,10 +1,11 @@
 # Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
-"""The alltoall dispatcher leaves token counts on the device at one tp_ep rank.
+"""The alltoall dispatcher at one tp_ep rank (the dispatcher-host-sync pull request).
 
-With one rank in the expert tensor-and-model-parallel group and dropless routing, the
-dispatcher hands the experts the counts where the router made them, whatever the experts
-class: it copies nothing to the host and waits for nothing. Upstream's SequentialMLP reads
-them back itself, and the model computes what it computed before, forward and backward.
+With one rank in the expert tensor-and-model-parallel group the sort by local expert is the
+identity and is skipped (0001), and with dropless routing the dispatcher hands the experts the
+counts where the router made them, whatever the experts class: it copies nothing to the host
+and waits for nothing (0002). Upstream's SequentialMLP reads them back itself, and the model
+computes what it computed before, forward and backward.
 """
 
 import pytest
@@ -90,38 +91,69 @@ def host_copies(monkeypatch):
     return calls
 
 
-def test_upstream_experts_get_the_counts_on_the_device(single_rank):
-    layers = _moe_layers(_gpt())
-    assert len(layers) == 2 and all(isinstance(m.experts, SequentialMLP) for m in layers)
-    assert all(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
+def _dispatchers(model):
+    return [layer.token_dispatcher for layer in _moe_layers(model)]
 
 
-def test_device_counts_give_identical_results_without_copies(single_rank, host_copies, monkeypatch):
-    # Negative control: the dispatcher's path that copies the counts to the host and waits.
-    with monkeypatch.context() as patched:
-        patched.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "counts_stay_on_device",
-                        lambda self: False)
-        want_loss, want_grads = _loss_and_grads(_gpt(), _batch())
-    assert host_copies["copies"] > 0
-    host_copies.update(copies=0, sorts=0)
-    loss, grads = _loss_and_grads(_gpt(), _batch())
-    assert host_copies == {"copies": 0, "sorts": 0}  # one rank: the sort by local expert is the identity
+def test_one_rank_skips_the_identity_sort_by_local_expert(single_rank, host_copies):
+    """dispatcher-host-sync 0001: from one tp_ep rank the tokens reach the experts as the
+    permutation leaves them; the sort by local expert (the identity there) is skipped."""
+    model = _gpt()
+    assert all(not d.sort_by_local_expert for d in _dispatchers(model))
+    loss, grads = _loss_and_grads(model, _batch())
+    assert host_copies["sorts"] == 0
+    # Negative control: the same model made to sort (and to read the counts back for it).
+    sorting = _gpt()
+    for dispatcher in _dispatchers(sorting):
+        dispatcher.sort_by_local_expert, dispatcher.counts_stay_on_device = True, False
+    want_loss, want_grads = _loss_and_grads(sorting, _batch())
+    assert host_copies["sorts"] == 4  # 2 MoE layers, a sort and its inverse
     assert torch.equal(loss, want_loss)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
 
 
-def test_the_fused_permutation_at_one_rank_keeps_the_counts_on_the_device(single_rank):
-    """TE's fused permutation permutes by the routing map into num_tokens * topk rows: from one
-    tp_ep rank it needs no count on the host either."""
+def test_upstream_experts_get_the_counts_on_the_device(single_rank, monkeypatch):
+    """dispatcher-host-sync 0002: SequentialMLP receives the counts on the model's device."""
     model = _gpt()
-    model.config.moe_permute_fusion = True  # after the build: building it needs TransformerEngine
     layers = _moe_layers(model)
-    assert all(layer.token_dispatcher.config is model.config for layer in layers)
-    assert all(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
-    model.config.moe_expert_capacity_factor = 1.0  # dropping still needs them
-    assert not any(layer.token_dispatcher.counts_stay_on_device() for layer in layers)
+    assert len(layers) == 2 and all(isinstance(m.experts, SequentialMLP) for m in layers)
+    assert all(d.counts_stay_on_device for d in _dispatchers(model))
+    seen = []
+    forward = SequentialMLP.forward
+
+    def recording_forward(self, hidden, tokens_per_expert, *args, **kwargs):
+        seen.append(tokens_per_expert)
+        return forward(self, hidden, tokens_per_expert, *args, **kwargs)
+
+    monkeypatch.setattr(SequentialMLP, "forward", recording_forward)
+    # The dispatcher's copy would leave a host tensor whatever the device: tell them apart by
+    # identity with what the router's counts became, the device tensor preprocess() made.
+    made = []
+    preprocess = token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess
+    monkeypatch.setattr(
+        token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess",
+        lambda self, routing_map: made.append(preprocess(self, routing_map)) or made[-1],
+    )
+    _loss_and_grads(model, _batch())
+    assert len(seen) == 2 and all(a is b for a, b in zip(seen, made))
+
+
+def test_device_counts_give_identical_results_without_copies(single_rank, host_copies):
+    # Negative control: the dispatcher's path that copies the counts to the host and waits.
+    copying = _gpt()
+    for dispatcher in _dispatchers(copying):
+        dispatcher.counts_stay_on_device = False
+    want_loss, want_grads = _loss_and_grads(copying, _batch())
+    assert host_copies["copies"] > 0
+    host_copies.update(copies=0, sorts=0)
+    loss, grads = _loss_and_grads(_gpt(), _batch())
+    assert host_copies == {"copies": 0, "sorts": 0}
+    assert torch.equal(loss, want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, want_grads[name]), name
 
 
 @pytest.mark.parametrize("option", [
@@ -130,7 +162,7 @@ def test_the_fused_permutation_at_one_rank_keeps_the_counts_on_the_device(single
 ], ids=["capacity", "pad-to-capacity"])
 def test_dropping_tokens_keeps_the_device_path_off(single_rank, option):
     """With a capacity the number of routed tokens is known only on the device."""
-    assert not any(layer.token_dispatcher.counts_stay_on_device() for layer in _moe_layers(_gpt(**option)))
+    assert not any(d.counts_stay_on_device for d in _dispatchers(_gpt(**option)))
 
 
 def test_capacity_dropping_still_reads_the_counts_back(single_rank, host_copies):

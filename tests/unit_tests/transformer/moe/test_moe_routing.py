@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as router_module
+from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_routing import (
@@ -939,45 +940,68 @@ class TestHostTokensPerExpert:
             run_model(_gpt(_config()), batch, routing, backward=False)
 
     @pytest.mark.parametrize(
-        "option, reason",
+        "option, tp_ep_size, reason",
         [
-            (dict(moe_token_dispatcher_type="allgather"), "only 'alltoall'"),
-            (
-                dict(moe_permute_fusion=True, expert_model_parallel_size=2),
-                "moe_permute_fusion changes",
-            ),
+            (dict(moe_token_dispatcher_type="allgather"), 1, "only 'alltoall'"),
+            (dict(moe_permute_fusion=True), 2, "moe_permute_fusion changes"),
         ],
-        ids=["allgather", "permute_fusion-ep2"],
+        ids=["allgather", "permute_fusion-tp_ep2"],
     )
-    def test_configurations_without_host_counts_refuse_them(self, option, reason):
+    def test_configurations_without_host_counts_refuse_them(self, option, tp_ep_size, reason):
         batch = make_batch()
         model = _gpt(_config())
         for name, value in option.items():
-            # Set after the build (the fused permutation needs TransformerEngine to be built,
-            # two expert ranks need two processes): the check before any layer runs reads the
-            # model's config.
+            # Set after the build (the fused permutation needs TransformerEngine to be built):
+            # the check before any layer runs reads the model's config, and the tp_ep group
+            # size from the counts' first dimension.
             setattr(model.config, name, value)
+        routing = self._routing(batch, lambda counts: counts.expand(tp_ep_size, -1, -1))
         with pytest.raises(ValueError, match=f"host_tokens_per_expert cannot be used: .*{reason}"):
-            run_model(model, batch, self._routing(batch), backward=False)
+            run_model(model, batch, routing, backward=False)
 
-    @pytest.mark.parametrize(
-        "expert_tp, ep, refused", [(1, 1, False), (1, 2, True), (2, 1, True), (2, 2, True)]
-    )
+    @pytest.mark.parametrize("tp_ep_size, refused", [(1, False), (2, True), (4, True)])
     def test_the_fused_permutation_takes_host_counts_at_one_tp_ep_rank_only(
-        self, expert_tp, ep, refused
+        self, tp_ep_size, refused
     ):
         """From one tp_ep rank the fused permutation needs no split sizes (none to send, no
         sort by local expert); from more, its sort takes them on the device."""
         config = _config()
-        assert host_counts_unsupported(config) is None
+        assert host_counts_unsupported(config, tp_ep_size) is None
         config.moe_permute_fusion = True  # set after the build: see above
-        config.expert_tensor_parallel_size, config.expert_model_parallel_size = expert_tp, ep
-        why = host_counts_unsupported(config)
+        why = host_counts_unsupported(config, tp_ep_size)
         assert (why is not None) == refused
         if refused:
             assert why.startswith("moe_permute_fusion")
-        config.moe_permute_fusion = False
-        assert host_counts_unsupported(config) is None
+
+    def test_the_dispatcher_sizes_the_group_from_its_own_process_groups(self, monkeypatch):
+        """A dispatcher of one tp_ep rank takes host counts under the fused permutation, whatever
+        expert_tensor_parallel_size * expert_model_parallel_size the config says (a model built
+        with its own process groups). Sized from the config, this dispatch was refused."""
+        config = _config()
+        dispatcher = MoEAlltoAllTokenDispatcher(
+            NUM_EXPERTS, list(range(NUM_EXPERTS)), config, moe_utils.get_default_pg_collection()
+        )
+        assert dispatcher.tp_size * dispatcher.ep_size == 1
+        config.moe_permute_fusion = True  # set after the build: see above
+        config.expert_model_parallel_size = 2
+
+        class Permuted(Exception):
+            """The dispatch took the counts and reached the (fused) permutation."""
+
+        def permute(*args, fused, **kwargs):
+            assert fused
+            raise Permuted
+
+        monkeypatch.setattr(token_dispatcher, "permute", permute)
+        ids = random_routes(1, 12, seed=2)[0]
+        routing_map = as_routing_map(ids)
+        counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)[None]
+        with pytest.raises(Permuted):
+            dispatcher.dispatch_preprocess(
+                torch.randn(12, HIDDEN), routing_map, routing_map.float() / TOPK,
+                host_tokens_per_expert=counts,
+            )
+        assert dispatcher.counts_on_host and torch.equal(dispatcher.tokens_per_expert, counts[0])
 
     def test_the_dispatch_takes_the_counts_as_an_argument(self):
         config = _config()
