@@ -226,6 +226,23 @@ class TestMoERoutingInHybridModel:
             run_model(model, batch, make(random_routes(2, batch[0].numel(), seed=3)), backward=False)
         assert ran == []
 
+    def test_the_value_check_runs_before_any_layer(self):
+        """moe_routing_replay_check_values checks the ids in the hybrid stack as in the decoder
+        block: a duplicate id in a row fails by name before any layer runs (without the check
+        the stack ran into the dispatcher's split sizes)."""
+        model = _hybrid("*E*E", moe_routing_replay_check_values=True)
+        batch = make_batch()
+        ids = random_routes(2, batch[0].numel(), seed=3)
+        ids[1, 30] = 5  # token 30 = position 15 of sample 0 (s-major, b = 2)
+        ran = []
+        for layer in model.decoder.layers:
+            layer.register_forward_pre_hook(lambda *args: ran.append("layer"))
+        with pytest.raises(
+            ValueError, match="duplicate expert ids.*sample 0, position 15 .*, layer 4: \\[5, 5\\]"
+        ):
+            run_model(model, batch, MoERouting([2, 4], expert_ids=ids), backward=False)
+        assert ran == []
+
 
 class TestMoERoutingInHybridMTP:
     """hybrid: replay MoERouting in the MoE layers of a hybrid MTP block.

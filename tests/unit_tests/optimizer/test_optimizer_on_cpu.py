@@ -14,7 +14,7 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
@@ -32,13 +32,17 @@ class _TwoLayers(MegatronModule):
         return self.layers(x)
 
 
-def _model_and_optimizer(seed=0, distributed=False, bf16=False, **optimizer_config):
+def _model_and_optimizer(seed=0, distributed=False, bf16=False, megatron_fsdp_branch=False,
+                         **optimizer_config):
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=bf16, params_dtype=dtype)
     torch.manual_seed(seed)
     module = _TwoLayers(config).to(dtype)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
     model = DistributedDataParallel(config, ddp_config, module)
+    # get_megatron_optimizer's Megatron-FSDP branch reads the flag and the chunk's buffers: set
+    # after the wrap, it builds this chunk's optimizer the way it builds Megatron-FSDP's.
+    ddp_config.use_megatron_fsdp = megatron_fsdp_branch
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=dtype,
                         use_distributed_optimizer=distributed, **optimizer_config),
@@ -97,6 +101,21 @@ class TestMegatronOptimizerOnCPU:
         assert repr(optimizer.state_dict()) == repr(state)  # the step count and the moments too
         stepped, _, _ = _step(model, optimizer, x)
         assert stepped and not any(torch.equal(a, b) for a, b in zip(weights, _weights(model)))
+
+    def test_the_megatron_fsdp_branch_of_one_chunk_skips_too(self):
+        """With one model chunk the Megatron-FSDP branch returned the chunk's optimizer bare,
+        whose step() applied a NaN update whatever skip_non_finite_grad_norm said. (Its
+        distributed optimizer needs Megatron-FSDP's own buffers: the plain one stands for it.)"""
+        model, optimizer = _model_and_optimizer(megatron_fsdp_branch=True, skip_non_finite_grad_norm=True)
+        x = torch.randn(3, 8)
+        _step(model, optimizer, x)
+        weights = _weights(model)
+        stepped, grad_norm, _ = _step(model, optimizer, x, poison=True)
+        assert not stepped and math.isnan(grad_norm)
+        assert all(torch.equal(a, b) for a, b in zip(weights, _weights(model)))
+        # Without the option the branch still returns the optimizer itself, as upstream does.
+        _, plain = _model_and_optimizer(megatron_fsdp_branch=True)
+        assert not isinstance(plain, ChainedOptimizer)
 
     def test_without_the_option_the_update_is_applied(self):
         model, optimizer = _model_and_optimizer()

@@ -1,9 +1,10 @@
 # Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.
-"""FlashAttention-4 decodes without split KV on SM90.
+"""FlashAttention-4 calls ask for one KV split on SM90.
 
 FA4 has no split-KV kernel on SM90 and asserts where its split heuristic (``num_splits=0``)
-picks more than one split, so the dynamic engine's decode-only call asks for one split there,
-and for the heuristic on other architectures (unless batch-invariant mode asks for one).
+picks more than one split, so the dynamic engine's FA4 calls, decode-only and with prefill
+requests, ask for one split there, and for the heuristic on other architectures (unless
+batch-invariant mode asks for one).
 The kernel is replaced by a recorder: what is checked is the split count it is asked for.
 """
 
@@ -31,8 +32,9 @@ def self_attention():
     Utils.destroy_model_parallel()
 
 
-def _decode_splits(module, monkeypatch, capability, batch_invariant=False):
-    """The num_splits the decode-only FA4 call asks for on a device of ``capability``."""
+def _splits(module, monkeypatch, capability, batch_invariant=False, decode_only=True):
+    """The num_splits the FA4 call of flash_decode_and_prefill asks for on a device of
+    ``capability``: the decode-only call, or the one for a batch with prefill requests."""
     asked = []
 
     def kernel(q, k, v, **kwargs):
@@ -43,21 +45,31 @@ def _decode_splits(module, monkeypatch, capability, batch_invariant=False):
     monkeypatch.setattr(module, "_resolve_flash_version", lambda: (True, False))
     monkeypatch.setattr(module, "batch_invariant_mode", batch_invariant)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    q = torch.randn(REQUESTS, 1, HEADS, HEAD_DIM)
-    cache = torch.randn(2, 256, HEADS, HEAD_DIM)  # blocks of 256 tokens
+    # Three requests whose KV spans several key tiles (blocks of 256 tokens); a prefill batch
+    # adds 4 + 1 + 2 new tokens to them.
+    new_tokens = [1, 1, 1] if decode_only else [4, 1, 2]
+    q = torch.randn(sum(new_tokens), 1, HEADS, HEAD_DIM)
+    cache = torch.randn(2, 256, HEADS, HEAD_DIM)
     seqlens = torch.tensor([300, 5, 129], dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32)
     module.flash_decode_and_prefill(
-        q, cache, cache, max_seqlen_q=1, max_seqlen_k=300,
-        cu_seqlens_q=torch.arange(REQUESTS + 1, dtype=torch.int32), cu_seqlens_k=None, seqlens_k=seqlens,
-        block_table=torch.tensor([[0, 1], [0, 0], [1, 0]], dtype=torch.int32), is_decode_only=True)
+        q, cache, cache, max_seqlen_q=max(new_tokens), max_seqlen_k=300,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=None, seqlens_k=seqlens,
+        block_table=torch.tensor([[0, 1], [0, 0], [1, 0]], dtype=torch.int32),
+        is_decode_only=decode_only)
     (splits,) = asked
     return splits
 
 
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("capability, splits", [((9, 0), 1), ((10, 0), 0), ((8, 0), 0)])
-def test_fa4_decodes_with_one_split_on_sm90_only(self_attention, monkeypatch, capability, splits):
-    assert _decode_splits(self_attention, monkeypatch, capability) == splits
+def test_fa4_asks_for_one_split_on_sm90_only(self_attention, monkeypatch, capability, splits,
+                                             decode_only):
+    """The prefill call asked for the heuristic on SM90 too (num_splits=0) before."""
+    assert _splits(self_attention, monkeypatch, capability, decode_only=decode_only) == splits
 
 
-def test_batch_invariant_mode_asks_for_one_split_everywhere(self_attention, monkeypatch):
-    assert _decode_splits(self_attention, monkeypatch, (10, 0), batch_invariant=True) == 1
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "prefill"])
+def test_batch_invariant_mode_asks_for_one_split_everywhere(self_attention, monkeypatch, decode_only):
+    assert _splits(self_attention, monkeypatch, (10, 0), batch_invariant=True,
+                   decode_only=decode_only) == 1
