@@ -43,7 +43,9 @@ footer (unless ``--allow-truncated-rollout-dump``), with bytes after it, or with
 a record that is corrupt or holds a value the loss cannot take. A loss or
 gradients that are not finite stop the step before the optimizer applies it,
 with nothing saved and the iteration named. The process then exits with status
-1 (2 for flags).
+1 (2 for flags). Under torchrun every rank stops, and rank 0 says why (another
+rank only where its reason differs); torchrun then reports the failed workers
+itself (docs/launcher.md, "What torchrun shows").
 """
 
 from __future__ import annotations
@@ -59,18 +61,31 @@ from megatron_r3.known_warnings import filter_known_warnings  # noqa: E402
 
 filter_known_warnings()  # before Megatron's imports, which print most of them
 
+import os  # noqa: E402
+
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_r3.rl.arguments import parse_args, run_settings  # noqa: E402
+from megatron_r3.rl.checkpoint.checkpointing import (  # noqa: E402
+    CheckpointReadError,
+    CheckpointSaveError,
+    NonFiniteCheckpointError,
+)
 from megatron_r3.rl.initialize import initialize  # noqa: E402
 from megatron_r3.rl.rollout.engine import RolloutEngineError  # noqa: E402
+from megatron_r3.rl.run_checks import RunCheckError  # noqa: E402
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError  # noqa: E402
 from megatron_r3.rl.run import train  # noqa: E402
 
+# Errors every rank raises with the same message (after an exchange, or from what all ranks read alike):
+# rank 0 says them. Any other error is said by each rank that has it.
+RAISED_ON_EVERY_RANK = (RunCheckError, NonFiniteStepError, NonFiniteCheckpointError, CheckpointReadError,
+                        CheckpointSaveError)
+
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Runs the launcher; bad input ends the process with one line on stderr and exit status 1."""
+    """Runs the launcher; bad input ends the process with one line on stderr (rank 0's) and exit status 1."""
     settings = run_settings(parse_args(argv))
     try:
         imported = time.perf_counter()
@@ -80,8 +95,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{time.perf_counter() - imported:.1f}", flush=True)
         train(settings, device)
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
-        for line in str(error).splitlines():  # one line per problem
-            print(f"pretrain_gpt_r3.py: error: {line}", file=sys.stderr, flush=True)
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank == 0 or not isinstance(error, RAISED_ON_EVERY_RANK):
+            for line in str(error).splitlines():  # one line per problem
+                print(f"pretrain_gpt_r3.py: error: {line}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         parallel_state.destroy_model_parallel()

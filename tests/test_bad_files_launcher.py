@@ -309,6 +309,28 @@ def test_a_full_disk_stops_before_training_or_at_the_save_with_nothing_partial_l
         f"No space left on device")
 
 
+def test_a_metrics_file_that_cannot_be_written_is_refused_before_training_naming_the_flag(tmp_path, small_disk):
+    """A read-only filesystem: the existing file (a resumed run appends to it) and a new one in its folder.
+    Before, the run stopped at its first line with a bare "[Errno 30] Read-only file system"."""
+    work = tmp_path / "work"
+    work.mkdir()
+    dump = write_dump(work / "rollouts.r3dump")
+    disk = small_disk(64 * 1024)
+    (disk / "metrics.jsonl").write_text('{"iteration": 1, "loss": 0.5}\n')
+    done = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"remounting the tmpfs read-only is not permitted here: {done.stderr.strip()}")
+    base = DUMP_FLAGS + ["--rollout-dump", dump, "--train-iters", "1"]
+    cases = [
+        (base + ["--metrics-file", str(disk / "metrics.jsonl"), "--append-metrics-file"], str(disk), None),
+        (base + ["--metrics-file", str(disk / "new.jsonl")], str(disk), None),
+    ]
+    (existing, new), = run_cases(tmp_path, 1, cases)
+    assert_refused(existing, f"--metrics-file {disk / 'metrics.jsonl'} cannot be written: Read-only file system")
+    assert_refused(new, f"--metrics-file {disk / 'new.jsonl'}: cannot create a file in {disk} (OSError: Read-only "
+                        f"file system)")
+
+
 def _estimate(argv):
     from megatron.core import parallel_state
 

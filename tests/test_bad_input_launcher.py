@@ -84,6 +84,8 @@ FLAG_CASES = [
      "--max-position-embeddings 32 is smaller than --seq-length 64"),
     (["--task-min-symbols", "5", "--task-max-symbols", "4"],
      "--task-min-symbols 5 is larger than --task-max-symbols 4"),
+    (["--rollout-dump", "missing.r3dump"], "--rollout-dump missing.r3dump: no such file"),
+    (["--rollout-dump", "."], "--rollout-dump .: a folder, not a rollout dump"),
     (["--load-optional"], "--load-optional needs --load"),
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--no-load-optim", "--no-load-rng"], "--no-load-optim needs --load"),
@@ -134,6 +136,7 @@ FLAG_CASES = [
 @pytest.mark.parametrize("flags, message", FLAG_CASES, ids=[" ".join(f) for f, _ in FLAG_CASES])
 def test_flags_that_do_not_add_up_are_refused_in_one_line(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)  # relative paths in the flags land here
+    (tmp_path / "x.r3dump").touch()  # a dump the flags name exists (its content is read later)
     before = snapshot(tmp_path)
     code, err = parse(flags, capsys)
     assert code == 2
@@ -148,6 +151,59 @@ def test_every_flag_problem_gets_its_own_line(capsys):
     assert code == 2 and err.splitlines() == [
         "pretrain_gpt_r3.py: error: --moe-router-topk 7 is larger than --num-experts 6",
         "pretrain_gpt_r3.py: error: --num-experts 6 is not divisible by --expert-model-parallel-size 4"]
+
+
+def test_a_dump_that_is_not_there_is_said_before_the_flags_a_dump_needs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = parse(["--rollout-dump", "rollouts.r3dump"], capsys)  # no --vocab-size, no --seq-length
+    assert code == 2 and err.splitlines() == ["pretrain_gpt_r3.py: error: --rollout-dump rollouts.r3dump: no such file"]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_only_rank_0_prints_the_usage_and_flag_errors(capsys, monkeypatch, rank):
+    """Every rank parses the same flags: a misspelt flag printed argparse's usage once per rank."""
+    monkeypatch.setenv("RANK", rank)
+    for flags in (["--sav", "x"], ["--micro-batch-size", "0"]):
+        code, err = parse(flags, capsys)
+        assert code == 2
+        if rank == "0":
+            assert err.count("usage: pretrain_gpt_r3.py") == (1 if flags[0] == "--sav" else 0)
+            assert err.splitlines()[-1].startswith("pretrain_gpt_r3.py: error: "), err
+        else:
+            assert err == ""
+
+
+def test_without_torchrun_the_launcher_says_how_to_start_it(monkeypatch):
+    from megatron_r3.rl.initialize import TORCHRUN_VARIABLES, init_process_group
+    from megatron_r3.rl.run_checks import RunCheckError
+
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RunCheckError) as refused:
+        init_process_group(torch.device("cpu"))
+    assert str(refused.value) == (
+        "RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set: torchrun sets them for each process it "
+        "starts; start the launcher with it: torchrun --nproc-per-node N launch/pretrain_gpt_r3.py [flags] (N "
+        "processes; 1 for one)")
+
+
+def test_under_torchrun_an_error_is_one_line_from_rank_0_then_torchruns_own_report(tmp_path):
+    """What a user sees (docs/launcher.md, "What torchrun shows"): the launcher's line once, then torchrun's
+    log line and its ChildFailedError report, which follows every non-zero exit of a worker."""
+    (tmp_path / "a-file").write_text("not a folder")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "launch/pretrain_gpt_r3.py", *EMBEDDED_FLAGS, "--save", str(tmp_path / "a-file" / "ckpt")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    errors = [line for line in done.stderr.splitlines() if "pretrain_gpt_r3.py: error:" in line]
+    assert errors == [f"pretrain_gpt_r3.py: error: --save {tmp_path / 'a-file' / 'ckpt'} is not writable on rank 0: "
+                      f"{tmp_path / 'a-file'} is a file, not a folder (and on ranks [1])"], done.stderr[-3000:]
+    assert "usage:" not in done.stderr
+    # torchrun's own report: its traceback ends in ChildFailedError, naming each worker's exit status.
+    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in done.stderr
+    assert re.search(r"exitcode\s*: 1 ", done.stderr), done.stderr[-3000:]
 
 
 # Cases run through main() in workers.
@@ -186,8 +242,8 @@ def _main_cases(cases, store_dir):
             dist.barrier()
         for undo in seen.pop("undo", []):
             undo()
-        results.append({"code": code, "err": err.getvalue(), "out": out.getvalue(), "before": before,
-                        "after": snapshot(folder), "seen": _finish_hook(seen)})
+        results.append({"rank": int(os.environ["RANK"]), "code": code, "err": err.getvalue(), "out": out.getvalue(),
+                        "before": before, "after": snapshot(folder), "seen": _finish_hook(seen)})
     rl_run.setup = original_setup
     return results
 
@@ -230,10 +286,15 @@ def error_line(result):
 
 
 def assert_refused(result, *messages):
+    """The run stopped (every rank, exit status 1) with nothing written; rank 0 said why in one line naming
+    ``messages``, and the other ranks, which stopped for the same reason, said nothing."""
     assert result["code"] == 1, (result["code"], result["err"], result["out"][-2000:])
-    line = error_line(result)
-    for message in messages:
-        assert message in line, line
+    if result["rank"] == 0:
+        line = error_line(result)
+        for message in messages:
+            assert message in line, line
+    else:
+        assert "Traceback" not in result["err"] and "pretrain_gpt_r3.py: error: " not in result["err"], result["err"]
     assert result["after"] == result["before"], "a file was created, changed or lost"
 
 
@@ -335,10 +396,11 @@ def test_files_and_dumps_that_cannot_be_used_are_refused_before_training_on_ever
         (dump(work / "cut-at-record.r3dump"), str(work), None),
         (dump(work / "appended.r3dump"), str(work), None),
         (dump(work / "corrupt.r3dump"), str(work), None),
+        (dump(work / "a-file"), str(work), None),
         *[(dump(path), str(work), None) for path in planted.values()],
     ]
     for results in run_cases(tmp_path, 2, cases):
-        (save, empty, missing, iteration, metrics, metrics_folder, cut, appended, crc,
+        (save, empty, missing, iteration, metrics, metrics_folder, cut, appended, crc, not_a_dump,
          nan_logprob, positive_logprob, nan_reward, inf_advantage, string_reward, mixed) = results
         assert_refused(save, f"--save {work / 'a-file' / 'ckpt'} is not writable on rank 0: {work / 'a-file'} is a "
                              f"file, not a folder (and on ranks [1])")
@@ -358,7 +420,8 @@ def test_files_and_dumps_that_cannot_be_used_are_refused_before_training_on_ever
                             f"or the file was cut), so samples may be missing at its end (4 whole samples are "
                             f"there): pass --allow-truncated-rollout-dump")
         assert_refused(appended, "7 bytes follow its footer")
-        assert_refused(crc, "corrupt.r3dump: record 5: CRC mismatch (corrupt file)")
+        assert_refused(crc, f"--rollout-dump {work / 'corrupt.r3dump'}: record 5: CRC mismatch (corrupt file)")
+        assert_refused(not_a_dump, f"--rollout-dump: {work / 'a-file'} is not a megatron-r3 rollout dump (magic ")
         assert_refused(nan_logprob, "nan-logprob.r3dump: record 4: token 7: logprobs[7] = nan: a rollout log-prob must "
                                     "be finite and <= 0")
         assert_refused(positive_logprob, "record 1: token 7: logprobs[7] = 5.0")
@@ -438,7 +501,7 @@ def test_torchrun_exit_status_for_a_nan_reward_in_the_dump(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt_r3.py: error:")]
-    assert errors == [f"pretrain_gpt_r3.py: error: rollout dump {dump}: record 2: meta['reward'] = nan is not "
+    assert errors == [f"pretrain_gpt_r3.py: error: --rollout-dump {dump}: record 2: meta['reward'] = nan is not "
                       f"finite"], done.stderr[-3000:]
     assert snapshot(work) == before
 

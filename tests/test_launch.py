@@ -353,7 +353,7 @@ def test_dump_without_rewards_is_refused(tmp_path):
         for sample in reader:
             sample.meta = {}
             writer.write(sample)
-    with pytest.raises(WorkerError, match=r"rollout dump .*no-reward\.r3dump: record 0 has neither 'reward' nor 'advantage'"):
+    with pytest.raises(WorkerError, match=r"--rollout-dump .*no-reward\.r3dump: record 0 has neither 'reward' nor 'advantage'"):
         run(bare, 1, iters=1)
 
 

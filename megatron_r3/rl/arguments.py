@@ -51,9 +51,29 @@ CPU_MODEL = dict(num_experts=8, moe_router_topk=2, swiglu=False, moe_router_dtyp
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
 
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same flags and finds the same problems: only rank 0 (torchrun's
+    ``RANK``; without torchrun the one process) prints the usage, the help and the errors, and every rank exits."""
+
+    @staticmethod
+    def _prints() -> bool:
+        return os.environ.get("RANK", "0") == "0"
+
+    def print_usage(self, file=None) -> None:
+        if self._prints():
+            super().print_usage(file)
+
+    def print_help(self, file=None) -> None:
+        if self._prints():
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: Optional[str] = None):
+        super().exit(status, message if self._prints() else None)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Megatron-style flags; every one has a default that makes a small embedded run."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION, prog="pretrain_gpt_r3.py")
+    parser = RankZeroArgumentParser(description=DESCRIPTION, prog="pretrain_gpt_r3.py")
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=None,
                        help="decoder layers (default 8, or --hybrid-layer-pattern's layer count)")
@@ -266,6 +286,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ("drop_cut_metrics_line", "metrics_file"), ("use_checkpoint_args", "load"), ("no_load_optim", "load"),
         ("no_load_rng", "load"))
         if getattr(args, flag) not in (None, False) and getattr(args, needs) is None]
+    if args.rollout_dump is not None and not os.path.isfile(args.rollout_dump):
+        # Before the flags a dump needs: a path that names no dump is the first thing to fix.
+        problems.append(f"--rollout-dump {args.rollout_dump}: "
+                        + ("a folder, not a rollout dump" if os.path.isdir(args.rollout_dump) else "no such file"))
     problems += value_problems(args)
     if not problems:
         try:

@@ -39,6 +39,9 @@ def init_model_parallel(parallel: ParallelSettings, *, create_gloo_process_group
     )
 
 
+# What torchrun tells each process it starts (env://); Megatron-LM's launchers read the same.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 # The torchrun agent's store (None outside torchrun): it outlives a worker group, so a restarted
 # attempt reads there what an earlier attempt of the same run noted (_note_metrics_file).
 _agent_store: Optional[dist.Store] = None
@@ -47,6 +50,8 @@ _agent_store: Optional[dist.Store] = None
 def init_process_group(device: torch.device, backend: Optional[str] = None) -> None:
     """The default process group from torchrun's environment (``env://``): ``backend``
     (``--distributed-backend``), else NCCL on GPUs and gloo on CPUs, as in Megatron-LM.
+
+    Without torchrun's variables (:data:`TORCHRUN_VARIABLES`) it says how to start the launcher.
 
     Its store keys are scoped to this attempt of the worker group: after a torchrun restart
     (``--max-restarts``) the agent's store still holds the addresses the dead workers
@@ -58,6 +63,11 @@ def init_process_group(device: torch.device, backend: Optional[str] = None) -> N
     default run's groups created eagerly against 1.3 s created on first use).
     """
     global _agent_store
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RunCheckError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: torchrun sets them "
+                            f"for each process it starts; start the launcher with it: torchrun --nproc-per-node N "
+                            f"launch/pretrain_gpt_r3.py [flags] (N processes; 1 for one)")
     store, rank, world_size = next(dist.rendezvous("env://"))
     _agent_store = store
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

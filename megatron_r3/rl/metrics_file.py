@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from megatron_r3.dataplane.formats.jsonl import json_line
+from megatron_r3.rl.checkpoint.dirs import save_directory_problem
 
 METRICS_FILE_MODES = ("new", "append", "overwrite", "resume")
 
@@ -124,6 +125,20 @@ def metrics_file_problem(path: str, mode: str, resumed_iteration: Optional[int],
     return None
 
 
+def write_problem(path: str) -> Optional[str]:
+    """Why this process could not write ``path``, or None: an existing file is opened for writing (and left
+    as it is), a new one's folder gets a probe file (created and removed)."""
+    if not os.path.exists(path):
+        problem = save_directory_problem(os.path.dirname(os.path.abspath(path)))
+        return None if problem is None else f"--metrics-file {path}: {problem}"
+    try:
+        with open(path, "r+b"):
+            pass
+    except OSError as error:
+        return f"--metrics-file {path} cannot be written: {error.strerror or error}"
+    return None
+
+
 def cut_line_warning(path: str, resumed_iteration: Optional[int]) -> Optional[str]:
     """For a run that continues ``path`` (mode ``"resume"``): the line saying which cut last line it drops
     (the file, the line, the iteration whose metrics it held), or None when there is none.
@@ -176,7 +191,8 @@ class MetricsFile:
 
     Raises:
         MetricsFileError: with ``"resume"`` or ``"append"``, a line that is not a metrics line.
-        OSError: from :meth:`write`, naming the file and the iteration (e.g. a full disk).
+        OSError: naming the flag and the file, when it cannot be opened; from :meth:`write`, naming the
+            iteration too (e.g. a full disk).
     """
 
     def __init__(self, path: Optional[str], mode: str = "new", keep_through: Optional[int] = None,
@@ -187,17 +203,20 @@ class MetricsFile:
         self._file: Optional[TextIO] = None
         if not path:
             return
-        if mode in ("resume", "append") and os.path.isfile(path):
-            lines = read_metrics_lines(path)
-            keep = None
-            if mode == "resume":
-                kept = len(lines.iterations) - lines.trailing_after(keep_through or 0)
-                keep = lines.ends[kept - 1] if kept else 0
-            elif drop_cut_line and lines.cut_line is not None:
-                keep = lines.complete_end()
-            if keep is not None and keep != os.path.getsize(path):
-                os.truncate(path, keep)
-        self._file = open(path, {"new": "x", "append": "a", "overwrite": "w", "resume": "a"}[mode])
+        try:
+            if mode in ("resume", "append") and os.path.isfile(path):
+                lines = read_metrics_lines(path)
+                keep = None
+                if mode == "resume":
+                    kept = len(lines.iterations) - lines.trailing_after(keep_through or 0)
+                    keep = lines.ends[kept - 1] if kept else 0
+                elif drop_cut_line and lines.cut_line is not None:
+                    keep = lines.complete_end()
+                if keep is not None and keep != os.path.getsize(path):
+                    os.truncate(path, keep)
+            self._file = open(path, {"new": "x", "append": "a", "overwrite": "w", "resume": "a"}[mode])
+        except OSError as error:
+            raise type(error)(f"--metrics-file {path}: cannot open it to write: {error.strerror or error}") from None
 
     def write(self, metrics: dict) -> None:
         if self._file is None:

@@ -34,7 +34,13 @@ from megatron_r3.rl.checkpoint.resume_flags import flag_mismatches, rollout_dump
 from megatron_r3.rl.checkpoint.rng import RNGStateNotRestoredWarning
 from megatron_r3.rl.checkpoint.space import checkpoint_bytes, space_problem
 from megatron_r3.rl.initialize import note_metrics_file, noted_by_an_earlier_attempt
-from megatron_r3.rl.metrics_file import MetricsFile, cut_line_warning, metrics_file_problem, overwrite_warning
+from megatron_r3.rl.metrics_file import (
+    MetricsFile,
+    cut_line_warning,
+    metrics_file_problem,
+    overwrite_warning,
+    write_problem,
+)
 from megatron_r3.rl.model.factory import build_model, layers_summary, transformer_config
 from megatron_r3.rl.profiling.phase_timer import PhaseTimer
 from megatron_r3.rl.profiling.profiler import IterationProfiler
@@ -43,7 +49,7 @@ from megatron_r3.rl.rollout.engine_choice import build_rollout_engine, engine_su
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_settings import RunSettings
-from megatron_r3.rl.run_checks import degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
+from megatron_r3.rl.run_checks import RunCheckError, degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer
 from megatron_r3.rl.trainer.training_stack import build_training_stack
@@ -156,7 +162,8 @@ def check_outputs(
                                           noted_by_an_earlier_attempt(metrics.metrics_file))
             resumed = None if checkpoint is None else checkpoint[1]
             problem = (f"--metrics-file {metrics.metrics_file} {why}" if why is not None else
-                       metrics_file_problem(metrics.metrics_file, mode, resumed, metrics.drop_cut_metrics_line))
+                       metrics_file_problem(metrics.metrics_file, mode, resumed, metrics.drop_cut_metrics_line)
+                       or write_problem(metrics.metrics_file))
             warning = None
             if mode == "overwrite":
                 warning = overwrite_warning(metrics.metrics_file, resumed)
@@ -237,6 +244,8 @@ def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callabl
                 stack.scheduler if resumed.load_optim else None, load_rng=resumed.load_rng)
         except (NonFiniteCheckpointError, CheckpointReadError) as error:
             raise type(error)(f"--load: {error}") from None
+        except ValueError as error:  # a checkpoint that does not fit this run: the same on every rank
+            raise RunCheckError(f"--load: {error}") from None
     if isinstance(run.source, DumpRollouts):
         raise_on_any_rank(rollout_dump_problem(state.get("rollout_dump"), run.source.identity(), run.source.path,
                                                iteration_dir(directory, iteration)))

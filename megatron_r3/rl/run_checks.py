@@ -323,7 +323,7 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> tuple[str, str]:
         missing = check_records(reader, rank * count // world, (rank + 1) * count // world, require_loss_field=True,
                                 digests=digests)
     except ValueError as error:  # RolloutDumpError, RoutingValidationError, SampleValueError
-        problem = f"rollout dump {reader.name}: {error}"
+        problem = f"--rollout-dump {reader.name}: {error}"
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (problem, missing, digests))
     _raise_first([p for p, _, _ in gathered])
@@ -341,7 +341,7 @@ def check_dump_records(reader: RolloutDumpReader, log=print) -> tuple[str, str]:
         return "advantage", records_digest
     if first["reward"] is None:
         return "reward", records_digest
-    raise RunCheckError(f"rollout dump {reader.name}: record {first['reward']} has no 'reward' and record "
+    raise RunCheckError(f"--rollout-dump {reader.name}: record {first['reward']} has no 'reward' and record "
                         f"{first['advantage']} no 'advantage': the loss takes every sample's advantage, or "
                         f"normalises every sample's reward")
 

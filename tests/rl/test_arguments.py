@@ -30,8 +30,10 @@ def test_an_explicit_micro_batch_size_is_kept(monkeypatch):
     assert (args.micro_batch_size, args.global_batch_size, args.seq_length) == (4, 32, 60)
 
 
-def test_dump_mode_without_a_global_batch_size_takes_microbatches_of_8(monkeypatch):
+def test_dump_mode_without_a_global_batch_size_takes_microbatches_of_8(monkeypatch, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.r3dump").touch()  # the flags only ask that the file exists
     dump = ["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "128"]
     assert parse_args(dump).micro_batch_size == 8
     assert parse_args(dump + ["--global-batch-size", "16"]).micro_batch_size == 16

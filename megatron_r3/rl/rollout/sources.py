@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 
 from megatron_r3.dataplane.formats.dump_checks import check_dump_fits
 from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
+from megatron_r3.dataplane.formats.rollout_dump import RolloutDumpError
 from megatron_r3.dataplane.formats.rollout_shards import DataParallelDumpShard
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.samples import RolloutSample
@@ -122,11 +123,19 @@ class DumpRollouts:
         self.path, self.global_batch = settings.dump, global_batch
         self.group = settings.group_size
         # A cut last record is dropped by the reader and refused (or warned about) by _check_footer.
-        self.reader = RolloutDumpReader(self.path, allow_truncated_tail=True)
+        try:
+            self.reader = RolloutDumpReader(self.path, allow_truncated_tail=True)
+        except OSError as error:
+            raise RunCheckError(f"--rollout-dump {self.path}: cannot read it: {error.strerror or error}") from None
+        except RolloutDumpError as error:  # not a dump, or a damaged header
+            raise RunCheckError(f"--rollout-dump: {error}") from None
         try:
             self._check_footer(settings.allow_truncated_dump, log)
             check_dump(self.reader, model, seq_length)
             self.loss_field, self._records_digest = check_dump_records(self.reader, log)
+        except RolloutDumpError as error:  # the dump does not fit the model
+            self.reader.close()
+            raise RunCheckError(f"--rollout-dump: {error}") from None
         except BaseException:
             self.reader.close()
             raise

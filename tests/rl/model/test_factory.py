@@ -34,7 +34,9 @@ DUMP = ["--rollout-dump", "x.r3dump", "--vocab-size", "64", "--seq-length", "64"
     (DUMP + ["--r3-compare"], True),
     (DUMP + ["--moe-enable-routing-replay"], True),
 ])
-def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes):
+def test_routers_take_moe_routing_when_a_pass_gives_them_one(flags, takes, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.r3dump").touch()  # the flags only ask that the file exists
     args = parse_args(flags)
     assert routers_take_moe_routing(args) is takes
     model = model_settings(args)
