@@ -45,7 +45,10 @@ gradients that are not finite stop the step before the optimizer applies it,
 with nothing saved and the iteration named. The process then exits with status
 1 (2 for flags). Under torchrun every rank stops, and rank 0 says why (another
 rank only where its reason differs); torchrun then reports the failed workers
-itself (docs/launcher.md, "What torchrun shows").
+itself (docs/launcher.md, "What torchrun shows"). SIGTERM and SIGINT stop the run
+between two iterations (a save in progress finishes), saved to ``--save`` if it
+has one, with one line saying what was saved and the exit status 128 + the
+signal's number (``megatron_r3.rl.stop_signals``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from megatron_r3.rl.checkpoint.checkpointing import (  # noqa: E402
 from megatron_r3.rl.initialize import initialize  # noqa: E402
 from megatron_r3.rl.rollout.engine import RolloutEngineError  # noqa: E402
 from megatron_r3.rl.run_checks import RunCheckError  # noqa: E402
+from megatron_r3.rl.stop_signals import StopRequested  # noqa: E402
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError  # noqa: E402
 from megatron_r3.rl.run import train  # noqa: E402
 
@@ -94,6 +98,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f" time to initialize (seconds): imports {imported - STARTED:.1f} | distributed and devices "
                   f"{time.perf_counter() - imported:.1f}", flush=True)
         train(settings, device)
+    except StopRequested as stopped:  # the logging rank said what was saved
+        raise SystemExit(stopped.status) from None
     except (ValueError, OSError, NonFiniteStepError, RolloutEngineError) as error:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         if rank == 0 or not isinstance(error, RAISED_ON_EVERY_RANK):

@@ -262,7 +262,7 @@ def _poison_final_norm(setup, seen):
 
 def _finish_hook(seen):
     if "run" not in seen:
-        return {}
+        return dict(seen)  # what else the hook noted
     run = seen["run"]
     after = [p.detach() for c in run.trainer.stack.chunks for p in c.parameters()]
     return {"optimizer_state": len(run.trainer.stack.optimizer.state),

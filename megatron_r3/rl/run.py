@@ -49,6 +49,7 @@ from megatron_r3.rl.rollout.engine_choice import build_rollout_engine, engine_su
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_settings import RunSettings
+from megatron_r3.rl.stop_signals import StopRequested, StopSignals, signal_name
 from megatron_r3.rl.run_checks import RunCheckError, degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer
@@ -256,13 +257,16 @@ def resume(run: TrainingRun, checkpoint: Optional[tuple[str, int]], log: Callabl
     log(f" resumed from {directory} at iteration {run.iteration} ({run.consumed_samples} samples consumed)")
 
 
-def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics_mode: str = "new") -> list[dict]:
+def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics_mode: str = "new",
+                   stops: Optional[StopSignals] = None) -> list[dict]:
     """Runs iterations ``run.iteration + 1`` to ``--train-iters``, logging every ``--log-interval``.
 
     Args:
         run: The run, at the iteration it continues from.
         log: Where the logging rank prints.
         metrics_mode: How ``--metrics-file`` is opened (:func:`check_outputs`).
+        stops: The stop signals noted meanwhile; before each iteration and after the last,
+            :func:`stop_if_signalled` asks every rank.
 
     Returns:
         The metrics of every iteration run (the same on every rank).
@@ -270,6 +274,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
     Raises:
         NonFiniteStepError: on every rank, naming the iteration whose loss or gradients are not
             finite; its optimizer step was not taken, and it saved nothing.
+        StopRequested: on every rank, when a rank received SIGTERM or SIGINT (:mod:`megatron_r3.rl.stop_signals`).
     """
     settings = run.settings
     checkpoints, logs = settings.checkpoints, settings.logging
@@ -281,9 +286,14 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
         note_metrics_file(logs.metrics_file)
     profiler = IterationProfiler(settings.profiling, dist.get_rank(), log)
     history, window_tokens, first = [], 0, run.iteration
+    saved_at = None  # the iteration of the last checkpoint this run saved
     start = window_start = time.perf_counter()
     try:
-        while run.iteration < settings.train_iters:
+        while True:
+            if stops is not None:  # a safe point: between two iterations, no save in progress
+                stop_if_signalled(run, stops, first, saved_at, log if logging_rank else lambda line: None)
+            if run.iteration >= settings.train_iters:
+                break
             iteration = run.iteration + 1
             timer = run.trainer.timer
             timer.reset()
@@ -315,7 +325,14 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
                     metrics_file.write(metrics)
             if checkpoints.save and (iteration == settings.train_iters
                                      or (checkpoints.save_interval and iteration % checkpoints.save_interval == 0)):
-                save(run)
+                try:
+                    save(run)
+                except CheckpointSaveError as error:  # on every rank
+                    if stops is not None:  # a stop signal may have ended a helper process the save needs
+                        stop_if_signalled(run, stops, first, None, log if logging_rank else lambda line: None,
+                                          failed_save=error)
+                    raise
+                saved_at = iteration
                 if logging_rank:
                     log(f" saved checkpoint at iteration {iteration} to {checkpoints.save}")
     finally:
@@ -323,9 +340,43 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
     return history
 
 
+def stop_if_signalled(run: TrainingRun, stops: StopSignals, first: int, saved_at: Optional[int],
+                      log: Callable[[str], None], failed_save: Optional[CheckpointSaveError] = None) -> None:
+    """At a safe point: when any rank received a stop signal, save the run (unless no iteration ran since
+    ``first``, or ``saved_at``, the last save, is of this iteration), say what was saved in one line, and
+    raise :class:`StopRequested` (on every rank).
+
+    A save that fails once a rank has the signal (``failed_save``, or this one) is abandoned as any failed
+    save is (its partial folder removed): torchrun and schedulers signal a worker's whole process group,
+    and so end the helper process Megatron's checkpoint writer reports through.
+    """
+    signum = stops.agreed()
+    if signum is None:
+        return
+    save_dir = run.settings.checkpoints.save
+    if failed_save is not None:
+        kept = f"its save was abandoned: {failed_save}"
+    elif run.iteration == first:
+        kept = "nothing saved (no iteration ran)"
+    elif save_dir is None:
+        kept = "nothing saved (no --save)"
+    elif saved_at == run.iteration:
+        kept = f"its checkpoint at iteration {run.iteration} is in {save_dir}"
+    else:
+        try:
+            save(run)
+            kept = f"saved checkpoint at iteration {run.iteration} to {save_dir}"
+        except CheckpointSaveError as error:
+            kept = f"its save was abandoned: {error}"
+    message = f"{signal_name(signum)} received: stopped after iteration {run.iteration}; {kept}"
+    log(f" {message}")
+    raise StopRequested(signum, message)
+
+
 def train(settings: RunSettings, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
     """:func:`check_outputs`, :func:`setup`, :func:`resume`, then :func:`run_iterations`; returns every iteration's
-    metrics. Everything that can be checked is checked before the first iteration."""
+    metrics. Everything that can be checked is checked before the first iteration. While the iterations run,
+    SIGTERM and SIGINT stop the run at its next safe point (:mod:`megatron_r3.rl.stop_signals`)."""
     rank_log = log if dist.get_rank() == dist.get_world_size() - 1 else lambda line: None
     checkpoint, metrics_mode = check_outputs(settings, rank_log)
     started = time.perf_counter()
@@ -341,6 +392,7 @@ def train(settings: RunSettings, device: torch.device, log: Callable[[str], None
         check_save_space(run)
         if isinstance(run.source, DumpRollouts):
             run.source.check_microbatches(run.trainer.rows, run.iteration, run.settings.train_iters)
-        return run_iterations(run, log, metrics_mode)
+        with StopSignals() as stops:
+            return run_iterations(run, log, metrics_mode, stops)
     finally:
         run.source.close()
