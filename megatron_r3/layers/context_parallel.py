@@ -6,15 +6,19 @@ chunks ``r`` and ``2 * cp - 1 - r`` (a "zigzag" that balances causal work):
 ``thd_get_partitioned_indices`` does it sequence by sequence for packed THD
 batches, whose sequences are first padded to a multiple of ``2 * cp``.
 
-:func:`zigzag_placement` is the one place this placement is computed: core
-attention builds its causal mask from it on the device, the data plane places
-tokens (:mod:`megatron_r3.dataplane.device.microbatches`) and routes
-(:mod:`megatron_r3.dataplane.device.plan`) with it on the host, so replayed routes and
-tokens cannot disagree.
+:func:`zigzag_placement` computes this placement on the device, where core attention
+builds its causal mask from it; :func:`zigzag_placement_host` computes the same on the
+host in numpy, where the data plane places a microbatch's tokens
+(:mod:`megatron_r3.dataplane.device.microbatches`) and routes
+(:mod:`megatron_r3.dataplane.device.plan`) with one call, so replayed routes and tokens
+cannot disagree. The two agree exactly (tests check both against a brute-force split).
+The host one is numpy: torch's small CPU kernels go through its intra-op thread pool,
+whose start-up per kernel dominates on a busy host (docs/benchmarks.md, "Host preparation").
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -67,6 +71,38 @@ def zigzag_placement(
         mirror = 2 * cp_size - 1 - cp_rank
         position = torch.where(offset < chunk, cp_rank * chunk + offset, (mirror - 1) * chunk + offset)
     return ZigzagPlacement(cu[seq_id] + position, seq_id, position)
+
+
+class HostZigzagPlacement(NamedTuple):
+    """:class:`ZigzagPlacement` on the host: int64 numpy ``[num_local_tokens]`` arrays."""
+
+    index: np.ndarray
+    seq_id: np.ndarray
+    position: np.ndarray
+
+
+def zigzag_placement_host(padded_lens: Sequence[int], cp_size: int, cp_rank: int) -> HostZigzagPlacement:
+    """:func:`zigzag_placement` of ``cu_seqlens_padded = [0, cumsum(padded_lens)]``, on the host.
+
+    Args:
+        padded_lens: Padded length of each sequence of the full packed batch, each
+            divisible by ``2 * cp_size`` when ``cp_size > 1``.
+        cp_size: Context-parallel world size.
+        cp_rank: This rank in the context-parallel group.
+    """
+    lengths = np.asarray(padded_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    local_lengths = lengths // cp_size
+    seq_id = np.repeat(np.arange(len(lengths), dtype=np.int64), local_lengths)
+    local_starts = np.cumsum(local_lengths) - local_lengths
+    offset = np.arange(len(seq_id), dtype=np.int64) - local_starts[seq_id]
+    position = offset
+    if cp_size > 1:
+        # The first half of a sequence's local tokens is chunk cp_rank, the second its mirror.
+        chunk = (local_lengths // 2)[seq_id]
+        mirror = 2 * cp_size - 1 - cp_rank
+        position = np.where(offset < chunk, cp_rank * chunk + offset, (mirror - 1) * chunk + offset)
+    return HostZigzagPlacement(starts[seq_id] + position, seq_id, position)
 
 
 class _AllGatherFirstDim(torch.autograd.Function):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.context_parallel import zigzag_placement, zigzag_placement_host
 
 
 def _brute_force(padded_lens, cp_size, cp_rank):
@@ -81,3 +81,20 @@ def test_placement_equals_transformer_engines_thd_partition(cp_size):
             ours = zigzag_placement(cu, cp_size, cp_rank, total // cp_size).index
             theirs = tex.thd_get_partitioned_indices(cu, total, cp_size, cp_rank)
             assert torch.equal(ours.cpu(), theirs.to(torch.int64).cpu()), (padded.tolist(), cp_rank)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_host_placement_equals_the_device_one(cp_size):
+    """zigzag_placement_host (numpy, the data plane's) gives zigzag_placement's tensors on random packings,
+    empty sequences and odd lengths (without CP) included."""
+    rng = np.random.default_rng(10 + cp_size)
+    for _ in range(100):
+        unit = 2 * cp_size if cp_size > 1 else 1
+        padded = (rng.integers(0, 40, size=int(rng.integers(1, 12))) * unit).tolist()
+        if cp_size == 1:
+            padded = rng.integers(0, 300, size=int(rng.integers(1, 12))).tolist()
+        for cp_rank in range(cp_size):
+            host = zigzag_placement_host(padded, cp_size, cp_rank)
+            device = _placement(padded, cp_size, cp_rank)
+            assert [a.dtype for a in host] == [np.int64] * 3
+            assert [a.tolist() for a in host] == device, (padded, cp_rank)

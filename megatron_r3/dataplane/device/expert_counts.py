@@ -7,8 +7,8 @@ every rank of its expert tensor-and-model-parallel group (``tp_ep``): its own fo
 input splits, the others' for the output splits. :func:`local_expert_counts` counts
 this rank's tokens from the compact host routes and the microbatch's
 :class:`~megatron_r3.dataplane.device.plan.RoutingPlan`; :class:`ExpertCountExchange` gathers every
-rank's counts, for all MoE layers of all model chunks at once, with one small
-collective per microbatch on a CPU (gloo) group. The result goes to the model as
+rank's counts, for all MoE layers of all model chunks and all microbatches of a batch
+at once, with one small collective per batch on a CPU (gloo) group. The result goes to the model as
 ``MoERouting.host_tokens_per_expert`` (patch "moe: the alltoall dispatcher takes split
 sizes from host token counts under replay"), and the MoE layers then neither copy to
 the host nor wait for the device.
@@ -47,10 +47,10 @@ def local_expert_counts(
     rows = plan.token_index
     if (rows < 0).any() or not valid[rows].all():
         return None
-    counts = np.empty((plan.num_local_layers, num_experts), dtype=np.int64)
-    for i, layer in enumerate(plan.layer_index):
-        counts[i] = np.bincount(ids[rows, layer].reshape(-1), minlength=num_experts)
-    return counts
+    layers, topk = plan.num_local_layers, ids.shape[2]
+    picked = ids[rows][:, plan.layer_index].astype(np.int64)  # [n, L_local, K]
+    picked += (np.arange(layers, dtype=np.int64) * num_experts)[None, :, None]
+    return np.bincount(picked.reshape(-1), minlength=layers * num_experts).reshape(layers, num_experts)
 
 
 def gloo_group_like(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
@@ -88,38 +88,50 @@ class ExpertCountExchange:
         self._group = gloo_group_like(tp_ep_group)
 
     def gather(self, local: Sequence[Optional[np.ndarray]], num_layers: Sequence[int]) -> list:
-        """Every rank's counts, per model chunk; all None if any rank lacks them.
+        """Every rank's counts for one microbatch, per model chunk: :meth:`gather_batch` of one microbatch."""
+        return self.gather_batch([local], num_layers)[0]
 
-        Collective over the group: each rank calls it once per microbatch, in the same
-        microbatch order (one all-gather of a few integers per MoE layer).
+    def gather_batch(self, local: Sequence[Sequence[Optional[np.ndarray]]], num_layers: Sequence[int]) -> list:
+        """Every rank's counts for several microbatches at once, per microbatch and model chunk.
+
+        Collective over the group: every rank calls it with the same number of microbatches, in
+        the same order (one all-gather of a few integers per MoE layer and microbatch).
 
         Args:
-            local: This rank's ``[L_chunk, num_experts]`` counts per chunk
+            local: Per microbatch, this rank's ``[L_chunk, num_experts]`` counts per chunk
                 (:func:`local_expert_counts`), None where it has none.
             num_layers: MoE layers of each chunk (``plan.num_local_layers``): the
                 message has the same size on every rank, with or without counts.
 
         Returns:
-            Per chunk, int64 CPU ``[group_size, L_chunk, num_experts]`` (the
-            ``MoERouting.host_tokens_per_expert`` of that chunk), or None.
+            Per microbatch, per chunk, int64 CPU ``[group_size, L_chunk, num_experts]`` (the
+            ``MoERouting.host_tokens_per_expert`` of that chunk), or all None for a microbatch
+            where some rank lacks them.
         """
         shapes = [(n, self.num_experts) for n in num_layers]
-        complete = all(c is not None for c in local)
+        complete = [all(c is not None for c in chunks) for chunks in local]
         if self.size == 1:
-            return [torch.from_numpy(c)[None] if complete else None for c in local]
-        # One flat message of the same size on every rank: [complete, counts of each chunk].
-        message = torch.zeros(1 + sum(a * b for a, b in shapes), dtype=torch.int64)
-        if complete:
-            message[0] = 1
-            message[1:] = torch.from_numpy(np.concatenate([c.reshape(-1) for c in local]))
+            return [[torch.from_numpy(c)[None] if whole else None for c in chunks]
+                    for chunks, whole in zip(local, complete)]
+        # One flat message of the same size on every rank: per microbatch [complete, counts of each chunk].
+        width = 1 + sum(a * b for a, b in shapes)
+        message = torch.zeros(len(local), width, dtype=torch.int64)
+        for row, (chunks, whole) in zip(message, zip(local, complete)):
+            if whole:
+                row[0] = 1
+                row[1:] = torch.from_numpy(np.concatenate([c.reshape(-1) for c in chunks]))
         parts = [torch.empty_like(message) for _ in range(self.size)]
         dist.all_gather(parts, message, group=self._group)
-        gathered = torch.stack(parts)
-        if not bool(gathered[:, 0].all()):
-            return [None] * len(local)  # some rank routes a token live
-        out, start = [], 1
-        for shape in shapes:
-            n = shape[0] * shape[1]
-            out.append(gathered[:, start:start + n].reshape(self.size, *shape).contiguous())
-            start += n
+        gathered = torch.stack(parts, dim=1)  # [microbatch, rank, width]
+        out = []
+        for per_rank, chunks in zip(gathered, local):
+            if not bool(per_rank[:, 0].all()):
+                out.append([None] * len(chunks))  # some rank routes a token live
+                continue
+            per_chunk, start = [], 1
+            for shape in shapes:
+                n = shape[0] * shape[1]
+                per_chunk.append(per_rank[:, start:start + n].reshape(self.size, *shape).contiguous())
+                start += n
+            out.append(per_chunk)
         return out

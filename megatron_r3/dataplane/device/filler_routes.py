@@ -48,6 +48,28 @@ def first_dead_position(loss_mask: np.ndarray) -> int:
     return int(trained[-1]) + 1 if len(trained) else 0
 
 
+def first_dead_positions(loss_masks: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """:func:`first_dead_position` of several segments at once.
+
+    Args:
+        loss_masks: The segments' loss masks end to end, ``[sum(lengths)]``.
+        lengths: int ``[num_segments]``.
+
+    Returns:
+        int64 ``[num_segments]``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    trained = np.asarray(loss_masks, dtype=bool).copy()
+    trained[starts[lengths > 0]] = False  # token 0 of a segment: no position predicts it
+    where = np.flatnonzero(trained)
+    # The last trained token before each segment's end, if it lies in the segment.
+    last = np.searchsorted(where, starts + lengths) - 1
+    found = last >= 0
+    found[found] = where[last[found]] >= starts[found]
+    return np.where(found, where[np.maximum(last, 0)] - starts, 0) if len(where) else np.zeros_like(lengths)
+
+
 def filler_expert_ids(count: int, start: int, num_layers: int, topk: int, num_experts: int,
                       dtype=np.uint8) -> np.ndarray:
     """``[count, num_layers, topk]`` filler routes for consecutive dead positions.

@@ -27,10 +27,11 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_r3.dataplane.device.filler_routes import first_dead_position
-from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths
+from megatron_r3.dataplane.device.filler_routes import first_dead_positions
+from megatron_r3.dataplane.device.plan import RankLayout, RoutingPlan, chunk_plans, padded_lengths, router_token_index, thd_source_rows
+from megatron_r3.dataplane.device.transport import HostStaging
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.context_parallel import zigzag_placement_host
 from megatron_r3.layers.moe_layers import chunk_vp_stages
 
 
@@ -69,21 +70,68 @@ class RolloutMicrobatch:
     seq_length: int
 
 
-def pack_rollout_microbatch(
+# The row's fields on the device, as RolloutMicrobatch names them, and their host dtypes.
+_ROW_FIELDS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("loss_mask", np.float32),
+               ("rollout_logprobs", np.float32), ("advantages", np.float32), ("dead_mask", np.bool_))
+
+
+@dataclass
+class HostRow:
+    """One rank's row of a microbatch, packed on the host (:func:`pack_rollout_row`), one copy from the device.
+
+    Attributes:
+        staging: The row's fields (``_ROW_FIELDS``, each ``[s_local]`` in local order) and
+            ``cu_seqlens`` (int32 cumulative padded lengths) in one host buffer.
+        source_rows: int64 ``[s_local]``: the packing-source row (sample ``i``'s token ``t`` is
+            row ``sum(sample_lens[:i]) + t``) of each local token, -1 for padding.
+        row_index: int64 ``[s_local]``: where each local token sits in the full row.
+        sample_lens: Token count of each sample, in packing order.
+        padded_lens: Padded length of each sample (sums to ``seq_length``).
+        seq_length: Length of the full packed row.
+    """
+
+    staging: HostStaging
+    source_rows: np.ndarray
+    row_index: np.ndarray
+    sample_lens: list[int]
+    padded_lens: list[int]
+    seq_length: int
+
+    def to_device(self, device: torch.device) -> RolloutMicrobatch:
+        """The microbatch on ``device``: one asynchronous copy of the staging buffer to a GPU (on the
+        current stream, which the forward runs on), a copy of it on the host."""
+        data = self.staging.data
+        data = data.clone() if device.type != "cuda" else data.to(device, non_blocking=True)
+        views = self.staging.views(data)
+        row = {name: views[name].unsqueeze(0) for name, _ in _ROW_FIELDS}
+        return RolloutMicrobatch(
+            **row,
+            row_index=torch.from_numpy(self.row_index),
+            packed_seq_params=padded_thd_params(views["cu_seqlens"], max(self.padded_lens)),
+            sample_lens=self.sample_lens,
+            padded_lens=self.padded_lens,
+            seq_length=self.seq_length,
+        )
+
+
+def pack_rollout_row(
     samples: Sequence[RolloutSample],
     rank: RankLayout,
     seq_length: int,
-    device: torch.device,
     advantages: Optional[Sequence[float]] = None,
-) -> RolloutMicrobatch:
-    """Packs ``samples`` into this rank's THD microbatch of a ``seq_length`` row.
+    pinned: bool = False,
+) -> HostRow:
+    """Packs ``samples`` into this rank's THD row of ``seq_length`` tokens, on the host.
+
+    Vectorised over the row: the samples are concatenated once and every local token reads
+    its values from there through its packing-source row.
 
     Args:
         samples: The microbatch's samples (their ``logprobs`` may be None).
         rank: This rank's layout; only TP/SP and CP matter here.
         seq_length: Length of the packed row, a multiple of ``rank.alignment``.
-        device: Where the tensors go.
         advantages: One advantage per sample, spread over its trained tokens (default 0).
+        pinned: Stage the row in page-locked memory (for a GPU).
 
     Raises:
         ValueError: the padded samples do not fit in ``seq_length``.
@@ -94,51 +142,49 @@ def pack_rollout_microbatch(
         raise ValueError(f"{len(advantages)} advantages for a microbatch of {len(samples)} samples")
     if seq_length % rank.alignment:
         raise ValueError(f"--seq-length {seq_length} must be a multiple of {rank.alignment} (2*cp, times tp with SP)")
-    lens = [len(s.token_ids) for s in samples]
+    lens = np.array([len(s.token_ids) for s in samples], dtype=np.int64)
     padded = padded_lengths(lens, rank)
     if padded.sum() > seq_length:
         raise ValueError(
-            f"samples of {lens} tokens need {int(padded.sum())} positions once padded to multiples of "
+            f"samples of {lens.tolist()} tokens need {int(padded.sum())} positions once padded to multiples of "
             f"{rank.alignment}; --seq-length is {seq_length}: raise it or lower --micro-batch-size"
         )
     padded[-1] += seq_length - padded.sum()
+    placement = zigzag_placement_host(padded, rank.cp_size, rank.cp_rank)
+    source = thd_source_rows(lens, padded, placement, rank)
+    seq, pos = placement.seq_id, placement.position
 
-    row = {name: np.zeros(seq_length, dtype) for name, dtype in
-           (("tokens", np.int64), ("labels", np.int64), ("loss_mask", np.float32), ("logprobs", np.float32),
-            ("advantages", np.float32), ("dead", np.bool_))}
-    start = 0
-    for i, (sample, length, width) in enumerate(zip(samples, lens, padded)):
-        row["dead"][start + first_dead_position(sample.loss_mask):start + int(width)] = True
-        row["tokens"][start:start + length] = sample.token_ids
-        row["labels"][start:start + length - 1] = sample.token_ids[1:]
-        row["loss_mask"][start:start + length - 1] = sample.loss_mask[1:]
-        if sample.logprobs is not None:
-            row["logprobs"][start:start + length - 1] = sample.logprobs[1:]
-        if advantages is not None:
-            row["advantages"][start:start + length - 1] = advantages[i] * sample.loss_mask[1:]
-        start += int(width)
+    # The samples end to end, and one zero row after them that padding rows read (and never keep).
+    tokens = np.concatenate([s.token_ids for s in samples] + [[0]])
+    loss_mask = np.concatenate([s.loss_mask for s in samples] + [[False]])
+    logprobs = np.concatenate([np.zeros(n, np.float32) if s.logprobs is None else s.logprobs
+                               for s, n in zip(samples, lens)] + [[0]])
+    # Position t predicts token t + 1 of its sample: the label, mask, log-prob and advantage of the next row.
+    predicts = pos < lens[seq] - 1
+    after = np.where(predicts, source + 1, -1)
+    staging = HostStaging([(name, dtype, (len(source),)) for name, dtype in _ROW_FIELDS]
+                          + [("cu_seqlens", np.int32, (len(padded) + 1,))], pinned)
+    staging.host("tokens")[:] = tokens[source]
+    staging.host("labels")[:] = tokens[after]
+    staging.host("position_ids")[:] = pos
+    staging.host("loss_mask")[:] = loss_mask[after]
+    staging.host("rollout_logprobs")[:] = logprobs[after]
+    weights = np.zeros(len(lens)) if advantages is None else np.asarray(advantages, dtype=np.float64)
+    staging.host("advantages")[:] = np.where(predicts, weights[seq] * loss_mask[after], 0)
+    staging.host("dead_mask")[:] = pos >= first_dead_positions(loss_mask[:-1], lens)[seq]
+    staging.host("cu_seqlens")[:] = np.concatenate([[0], np.cumsum(padded)])
+    return HostRow(staging, source, placement.index, lens.tolist(), [int(p) for p in padded], seq_length)
 
-    cu_padded = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
-    index, _, position = zigzag_placement(cu_padded, rank.cp_size, rank.cp_rank, seq_length // rank.cp_size)
 
-    def local(name):
-        return _to_device(torch.from_numpy(row[name])[index].unsqueeze(0), device)
-
-    params = padded_thd_params(_to_device(cu_padded, device), int(padded.max()))
-    return RolloutMicrobatch(
-        tokens=local("tokens"),
-        labels=local("labels"),
-        loss_mask=local("loss_mask"),
-        rollout_logprobs=local("logprobs"),
-        advantages=local("advantages"),
-        dead_mask=local("dead"),
-        position_ids=_to_device(position.unsqueeze(0), device),
-        row_index=index.to(torch.int64),
-        packed_seq_params=params,
-        sample_lens=lens,
-        padded_lens=[int(p) for p in padded],
-        seq_length=seq_length,
-    )
+def pack_rollout_microbatch(
+    samples: Sequence[RolloutSample],
+    rank: RankLayout,
+    seq_length: int,
+    device: torch.device,
+    advantages: Optional[Sequence[float]] = None,
+) -> RolloutMicrobatch:
+    """:func:`pack_rollout_row` on ``device``."""
+    return pack_rollout_row(samples, rank, seq_length, advantages, pinned=device.type == "cuda").to_device(device)
 
 
 def padded_thd_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
@@ -155,13 +201,6 @@ def padded_thd_params(cu_seqlens_padded: torch.Tensor, max_seqlen: int) -> Packe
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_padded, cu_seqlens_kv=cu_seqlens_padded,
                            cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An asynchronous copy to a GPU (through pinned memory: a pageable copy waits for the device)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -198,3 +237,9 @@ class RowLayout:
         return chunk_plans(self.rank, batch.sample_lens, source_layer_numbers=source_layer_numbers,
                            config=self.config, hybrid_layer_pattern=self.hybrid_layer_pattern, qkv_format="thd",
                            padded_lens=batch.padded_lens)
+
+    def row_plans(self, row: HostRow, source_layer_numbers: Sequence[int]) -> list[RoutingPlan]:
+        """:meth:`plans` of a row packed on the host, from the token placement the row was packed with."""
+        return chunk_plans(self.rank, row.sample_lens, source_layer_numbers=source_layer_numbers,
+                           config=self.config, hybrid_layer_pattern=self.hybrid_layer_pattern,
+                           token_index=router_token_index(row.source_rows, self.rank))

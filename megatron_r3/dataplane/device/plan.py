@@ -19,8 +19,8 @@ Token placement matches Megatron:
   ``2*cp`` equal chunks; rank r keeps chunks r and ``2*cp-1-r``.
 * CP, THD (TransformerEngine's ``thd_get_partitioned_indices``): the same, one
   padded sequence at a time, concatenated. Both CP cases come from
-  :func:`megatron_r3.layers.context_parallel.zigzag_placement`, which also places
-  the tokens of core attention and of the packed microbatches.
+  :func:`megatron_r3.layers.context_parallel.zigzag_placement_host`, which also places
+  the tokens of the packed microbatches (core attention computes the same on the device).
 * SP (``scatter_to_sequence_parallel_region``): after the embedding each TP rank
   keeps a contiguous equal slice of the (CP-local) sequence dimension.
 """
@@ -31,10 +31,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
-import torch
 
 from megatron_r3.dataplane.routes import layer_index as _layer_index
-from megatron_r3.layers.context_parallel import zigzag_placement
+from megatron_r3.layers.context_parallel import HostZigzagPlacement, zigzag_placement_host
 from megatron_r3.layers.moe_layers import chunk_layers, chunk_vp_stages
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ def bshd_token_index(sample_lens: Sequence[int], seq_len: int, rank: RankLayout)
             f"seq_len {seq_len} must be a multiple of {two_cp} (2*cp) and seq_len/cp of {rank.sp_size} (SP)"
         )
     # One padded sequence per row, every row placed alike.
-    _, positions = _zigzag_placement([seq_len], rank)
+    positions = zigzag_placement_host([seq_len], rank.cp_size, rank.cp_rank).position
     positions = _sp_slice(positions, rank)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
     rows = offsets[None, :] + positions[:, None]  # [s_local, b]
@@ -144,6 +143,19 @@ def thd_token_index(
     """
     lens = np.asarray(sample_lens, dtype=np.int64)
     padded = padded_lengths(lens, rank) if padded_lens is None else np.asarray(padded_lens, dtype=np.int64)
+    placement = zigzag_placement_host(padded, rank.cp_size, rank.cp_rank)
+    return router_token_index(thd_source_rows(lens, padded, placement, rank), rank)
+
+
+def thd_source_rows(sample_lens: Sequence[int], padded_lens: Sequence[int], placement: HostZigzagPlacement,
+                    rank: RankLayout) -> np.ndarray:
+    """int64 source row of each token a CP rank holds (``placement``, its local order), -1 for padding.
+
+    These are the tokens of the rank's row, before the embedding; :func:`router_token_index`
+    turns them into the routers' order.
+    """
+    lens = np.asarray(sample_lens, dtype=np.int64)
+    padded = np.asarray(padded_lens, dtype=np.int64)
     if len(lens) == 0 or padded.shape != lens.shape or (padded < lens).any() or (lens < 0).any():
         raise ValueError(f"padded lengths {list(padded)} must cover sample lengths {list(lens)}")
     two_cp = 2 * rank.cp_size if rank.cp_size > 1 else 1
@@ -152,17 +164,14 @@ def thd_token_index(
             f"padded lengths {list(padded)}: each must be a multiple of {two_cp} (2*cp) and the total "
             f"a multiple of cp*sp = {rank.cp_size * rank.sp_size}"
         )
-    offsets = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    seq, pos = _zigzag_placement(padded, rank)
-    rows = np.where(pos < lens[seq], offsets[seq] + pos, -1)
-    return _int32(_sp_slice(rows, rank))
+    offsets = np.cumsum(lens) - lens
+    seq, pos = placement.seq_id, placement.position
+    return np.where(pos < lens[seq], offsets[seq] + pos, -1)
 
 
-def _zigzag_placement(padded_lens: Sequence[int], rank: RankLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Sequence and position of each of this CP rank's tokens, from the placement core attention uses."""
-    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(padded_lens, dtype=np.int64)]))
-    placement = zigzag_placement(cu, rank.cp_size, rank.cp_rank, int(cu[-1]) // rank.cp_size)
-    return placement.seq_id.numpy(), placement.position.numpy()
+def router_token_index(source_rows: np.ndarray, rank: RankLayout) -> np.ndarray:
+    """A THD row's source rows (:func:`thd_source_rows`) as the routers see them: this SP rank's slice, int32."""
+    return _int32(_sp_slice(source_rows, rank))
 
 
 def _sp_slice(values: np.ndarray, rank: RankLayout) -> np.ndarray:
@@ -235,6 +244,7 @@ class RoutingPlan:
         qkv_format: str = "bshd",
         seq_len: Optional[int] = None,
         padded_lens: Optional[Sequence[int]] = None,
+        token_index: Optional[np.ndarray] = None,
     ) -> "RoutingPlan":
         """Plans one microbatch for one rank and model chunk.
 
@@ -253,13 +263,20 @@ class RoutingPlan:
             seq_len: BSHD padded sequence length (default: the longest sample,
                 rounded up to ``rank.alignment``).
             padded_lens: THD per-sequence padded lengths (``diff(cu_seqlens_padded)``).
+            token_index: The router-order source rows, already computed for this rank and
+                microbatch (every chunk of a rank shares them), instead of ``qkv_format``,
+                ``seq_len`` and ``padded_lens``.
         """
         if (config is None) == (layer_numbers is None):
             raise ValueError("give exactly one of config= and layer_numbers=")
         if layer_numbers is None:
             built = chunk_layers(config, rank.pp_rank, rank.vp_stage, hybrid_layer_pattern=hybrid_layer_pattern)
             layer_numbers = [n for n in source_layer_numbers if n in built]
-        if qkv_format == "bshd":
+        if token_index is not None:
+            if seq_len is not None or padded_lens is not None:
+                raise ValueError("token_index is the placement already: give no seq_len or padded_lens with it")
+            tokens = _int32(token_index)
+        elif qkv_format == "bshd":
             if padded_lens is not None:
                 raise ValueError("padded_lens is for THD; BSHD takes seq_len")
             if seq_len is None:
@@ -288,10 +305,13 @@ def chunk_plans(
     """One plan per model chunk of ``rank.pp_rank``, in ``vp_stage`` order (one chunk without VP).
 
     ``hybrid_layer_pattern`` is a HybridModel's (None for a GPTModel); ``layout`` takes
-    :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len`` and ``padded_lens``.
+    :meth:`RoutingPlan.build`'s ``qkv_format``, ``seq_len``, ``padded_lens`` or ``token_index``.
+    The chunks share one token placement, computed once.
     """
-    return [
-        RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens, source_layer_numbers=source_layer_numbers,
-                          config=config, hybrid_layer_pattern=hybrid_layer_pattern, **layout)
-        for stage in chunk_vp_stages(config)
-    ]
+    plans = []
+    for stage in chunk_vp_stages(config):
+        plans.append(RoutingPlan.build(replace(rank, vp_stage=stage), sample_lens,
+                                       source_layer_numbers=source_layer_numbers, config=config,
+                                       hybrid_layer_pattern=hybrid_layer_pattern, **layout))
+        layout = {"token_index": plans[0].token_index}
+    return plans

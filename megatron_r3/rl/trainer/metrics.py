@@ -41,7 +41,7 @@ import torch
 from megatron_r3.rl.trainer.logprob_mismatch import MISMATCH_METRICS
 
 MODES = ("replay", "live")
-PHASES = ("rollout", "pass/old_logprob", "pass/compare", "pass/update", "optimizer")
+PHASES = ("rollout", "prepare", "pass/old_logprob", "pass/compare", "pass/update", "optimizer")
 """The timed phases of an iteration (:class:`~megatron_r3.rl.profiling.phase_timer.PhaseTimer`), in order."""
 
 

@@ -1,7 +1,9 @@
 """One policy-gradient iteration on rollout samples, with routing replay (R3 or R2) or live routing.
 
 Per iteration the trainer packs this data-parallel rank's samples into
-microbatches and runs, through Megatron's schedule (:mod:`megatron_r3.rl.model.passes`):
+microbatches, once for all passes (the host's work: rows, routing plans, filler routes,
+host token counts; :mod:`megatron_r3.dataplane.device.batch_plan`), and runs, through
+Megatron's schedule (:mod:`megatron_r3.rl.model.passes`):
 
 1. R2 only: an old-log-prob pass (forward only) that records the routes its
    routers take; the update pass replays exactly those (``recorded_expert_ids()``,
@@ -40,6 +42,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
+from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.filler_routes import first_dead_position
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
@@ -48,7 +51,6 @@ from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.dataplane.sample_checks import SampleValueError, check_sample_values
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.dataplane.device.transport import PackedRoutes
 from megatron_r3.rl.model.forward_graphs import ForwardGraphs
 from megatron_r3.rl.model.passes import PassResult, no_loss, run_pass, token_logprobs
 from megatron_r3.rl.model.replica_comm import is_replica_lead
@@ -179,19 +181,23 @@ class PolicyTrainer:
         sums = zero_sums(len(self.spec.model_moe_layers), self.rows.device)
         old_logprobs = recorded = None
         checked_passes = []  # passes whose routes the forwards checked on the device
+        has_routes = settings.replay_mode != "r2"  # the samples carry the engine's routes
+        with self.timer.phase("prepare"):
+            # Every pass runs these rows: the host prepares them once, before the first pass.
+            batch = self.pipeline.plan(samples, advantages, fillers=settings.filler_routes,
+                                       rollout_routes=settings.replay_mode == "r3" or (settings.compare and has_routes))
         if settings.replay_mode == "r2":
             with self.timer.phase("pass/old_logprob"):
-                old_logprobs, recorded = self._old_logprob_pass(samples)
+                old_logprobs, recorded = self._old_logprob_pass(batch)
 
         if settings.compare:
             # The comparison pass runs in the other mode and measures routing agreement with the
             # engine's routes: routing live it records what the trainer chose, replaying it keeps
             # its live top-k. The update pass pays for neither.
             replays = not settings.trains_with_replay
-            has_routes = settings.replay_mode != "r2"
             with self.timer.phase("pass/compare"):
-                result = run_pass(self.chunks, self.pipeline.prepare(samples, rollout_routes=has_routes,
-                                                                 fillers=settings.filler_routes),
+                result = run_pass(self.chunks, self.pipeline.prepare(batch, rollout_routes=has_routes,
+                                                                     fillers=settings.filler_routes),
                                   self._mismatch_loss, replay=replays, record=has_routes and not replays,
                                   keep_live_routes=has_routes and replays, graphs=self.graphs)
             self._add_mismatch(sums, "mismatch/replay" if replays else "mismatch/live", result.outputs)
@@ -200,8 +206,8 @@ class PolicyTrainer:
             checked_passes.append(result)
 
         self.stack.zero_grad()
-        microbatches = self.pipeline.prepare(samples, advantages, rollout_routes=settings.replay_mode == "r3",
-                                             recorded=recorded, fillers=settings.filler_routes)
+        microbatches = self.pipeline.prepare(batch, rollout_routes=settings.replay_mode == "r3", recorded=recorded,
+                                             fillers=settings.filler_routes)
         # The schedule ends with finalize_model_grads: gradients reduced and divided by the tokens.
         with self.timer.phase("pass/update"):
             result = self.update.run(microbatches, old_logprobs)
@@ -245,14 +251,14 @@ class PolicyTrainer:
         self.stack.scheduler.step(increment=1)
         return lr, grad_norm
 
-    def _old_logprob_pass(self, samples: Sequence[RolloutSample]):
+    def _old_logprob_pass(self, batch: PlannedBatch):
         """R2: record the routes and log-probs of the current weights; the update replays them."""
         temperature = self.settings.temperature
 
         def logprobs(index, batch, logits):
             return no_loss({"logprobs": token_logprobs(logits, batch.labels, temperature)}, logits)
 
-        result = run_pass(self.chunks, self.pipeline.prepare(samples), logprobs, record=True, graphs=self.graphs)
+        result = run_pass(self.chunks, self.pipeline.prepare(batch), logprobs, record=True, graphs=self.graphs)
         recorded = [[PackedRoutes(r.recorded_expert_ids(), tuple(r.layer_numbers), every_token_routed=True)
                      for r in per_chunk]
                     for per_chunk in result.routings]

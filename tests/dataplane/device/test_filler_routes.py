@@ -18,6 +18,7 @@ from megatron_r3.dataplane.device.filler_routes import (
     fill_dead_positions,
     filler_expert_ids,
     first_dead_position,
+    first_dead_positions,
     with_fillers,
 )
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
@@ -44,6 +45,15 @@ def test_first_dead_position_is_after_the_last_loss_bearing_position():
     assert first_dead_position(np.array([0, 1, 0, 1], bool)) == 3  # the final token is trained
     assert first_dead_position(np.zeros(4, bool)) == 0  # nothing trained: nothing is seen
     assert first_dead_position(np.array([1, 0, 0], bool)) == 0  # token 0 is predicted by no position
+
+
+def test_first_dead_positions_of_many_segments_equal_one_at_a_time():
+    gen = np.random.default_rng(5)
+    for _ in range(200):
+        lengths = gen.integers(0, 9, size=int(gen.integers(1, 7)))
+        masks = [gen.random(n) < gen.choice([0.0, 0.2, 0.8, 1.0]) for n in lengths]
+        got = first_dead_positions(np.concatenate(masks), lengths)
+        assert got.tolist() == [first_dead_position(m) for m in masks], (lengths, masks)
 
 
 def test_filler_ids_are_distinct_per_token_and_spread_over_the_experts():
