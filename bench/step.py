@@ -196,7 +196,7 @@ class UpdatePass:
         self.pipelines = {"device": MicrobatchPipeline(rows, spec), "host": MicrobatchPipeline(rows, spec, exchange)}
         gen = np.random.default_rng(7)
         self.advantages = gen.standard_normal(len(samples))
-        self.loss = PolicyLoss(None, PolicyUpdateSettings("r3", compare=False, clip_ratio=0.2, temperature=1.0))
+        self.loss = PolicyLoss(PolicyUpdateSettings("r3", compare=False, clip_ratio=0.2, temperature=1.0))
 
     def __call__(self, variant: str) -> float:
         start = time.perf_counter()

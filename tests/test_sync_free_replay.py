@@ -116,7 +116,7 @@ def launcher_update_pass_worker(argv, fillers):
         def update_pass():
             microbatches = trainer.pipeline.prepare(batch.samples, batch.advantages, rollout_routes=True,
                                                     fillers=fillers)
-            return run_pass(trainer.chunks, microbatches, PolicyLoss(None, trainer.settings), forward_only=False)
+            return run_pass(trainer.chunks, microbatches, PolicyLoss(trainer.settings), forward_only=False)
 
         update_pass()  # one-time moves (rotary inv_freq to the GPU) and allocator warm-up
         torch.cuda.synchronize()

@@ -97,8 +97,10 @@ def initialize(settings: RunSettings) -> torch.device:
     if problems:
         raise RunCheckError("; ".join(problems))
     init_model_parallel(parallel)
-    tensor_parallel.model_parallel_cuda_manual_seed(
-        settings.seed, use_cudagraphable_rng=graph_safe_rng_tracker(settings.rollouts.engine, settings.model, device))
+    # Graph-safe where a CUDA graph registers the tracker's generators: Megatron's engine's, the update pass's.
+    graph_safe = (graph_safe_rng_tracker(settings.rollouts.engine, settings.model, device)
+                  or (settings.update.cuda_graphs and device.type == "cuda"))
+    tensor_parallel.model_parallel_cuda_manual_seed(settings.seed, use_cudagraphable_rng=graph_safe)
     torch.manual_seed(settings.seed)
     return device
 

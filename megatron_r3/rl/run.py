@@ -98,6 +98,7 @@ def setup(settings: RunSettings, device: torch.device, log: Callable[[str], None
         stack = build_training_stack(chunks, config, settings.training_stack)
         trainer = PolicyTrainer(stack, config, spec, rows, settings.update,
                                 PhaseTimer(device, settings.logging.count_host_syncs))
+        log(trainer.update.summary())
     except BaseException:
         if source is not None:
             source.close()

@@ -99,6 +99,7 @@ class MicrobatchPipeline:
         rollout_routes: bool = False,
         recorded: Optional[Sequence[Sequence[PackedRoutes]]] = None,
         fillers: bool = True,
+        old_logprobs: Optional[Sequence[torch.Tensor]] = None,
         then: Optional[Callable[[list[PassItem]], None]] = None,
     ) -> PreparedMicrobatches:
         """One pass's microbatches, ``rows.micro_batch_size`` samples each, as chunk data iterators.
@@ -110,6 +111,8 @@ class MicrobatchPipeline:
             recorded: Per microbatch and chunk, recorded routes to replay (R2).
             fillers: With ``rollout_routes``, give the positions no loss can see filler routes;
                 False routes them live (the microbatch then takes Megatron's device path).
+            old_logprobs: Per microbatch, R2's old log-probs for the update pass's ratio
+                (``RolloutMicrobatch.old_logprobs``; the last pipeline stage has them).
             then: Called with each microbatch's items once they are prepared (the step
                 benchmark hands the routes to upstream ``RouterReplay`` this way).
         """
@@ -124,6 +127,8 @@ class MicrobatchPipeline:
 
         def prepare(index: int) -> list[PassItem]:
             row = batch.microbatches[index].row.to_device(device)
+            if old_logprobs is not None:
+                row.old_logprobs = old_logprobs[index]
             if recorded is not None:
                 items = [PassItem(index, row, chunk_routes) for chunk_routes in recorded[index]]
             elif routes is None:

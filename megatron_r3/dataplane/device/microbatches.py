@@ -54,6 +54,9 @@ class RolloutMicrobatch:
         sample_lens: Token count of each sample, in packing order.
         padded_lens: Padded length of each sample (sums to ``seq_length``).
         seq_length: Length of the full packed row.
+        old_logprobs: float32, R2's old-log-prob pass's log-prob of the next token, which the
+            update pass's ratio takes instead of the rollout's (last pipeline stage); None under
+            R3 and live routing.
     """
 
     tokens: torch.Tensor
@@ -68,6 +71,7 @@ class RolloutMicrobatch:
     sample_lens: list[int]
     padded_lens: list[int]
     seq_length: int
+    old_logprobs: Optional[torch.Tensor] = None
 
 
 # The row's fields on the device, as RolloutMicrobatch names them, and their host dtypes.

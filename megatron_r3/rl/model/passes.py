@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -92,6 +92,8 @@ def run_pass(
     keep_live_routes: bool = False,
     forward_only: bool = True,
     graphs: Optional[ForwardGraphs] = None,
+    forward_backward_func: Optional[Callable] = None,
+    item_of: Optional[Callable[[Any], PassItem]] = None,
 ) -> PassResult:
     """Runs the schedule once over ``microbatches`` on this rank's model ``chunks``.
 
@@ -109,6 +111,12 @@ def run_pass(
         forward_only: No backward pass (and no autograd graph).
         graphs: Run the microbatches that replay no routes through these CUDA graphs
             (:class:`~megatron_r3.rl.model.forward_graphs.ForwardGraphs`), where they apply.
+        forward_backward_func: The schedule (default ``get_forward_backward_func()``), or a
+            wrapper of it (Megatron's ``FullCudaGraphWrapper``,
+            :mod:`megatron_r3.rl.trainer.update_graphs`).
+        item_of: Turns what the data iterator yields into the microbatch's :class:`PassItem`
+            (default: it yields them), for a schedule wrapper that hands the forward step its
+            own copies of the inputs.
     """
     count = microbatches.num_microbatches
     if count == 0:
@@ -118,7 +126,7 @@ def run_pass(
     items: list[list[Optional[PassItem]]] = [[None] * len(chunks) for _ in range(count)]
 
     def forward_step(data_iterator, model):
-        item: PassItem = next(data_iterator)
+        item: PassItem = next(data_iterator) if item_of is None else item_of(next(data_iterator))
         batch = item.batch
         if item.routes is not None and replay:
             routing = moe_routing_for_chunk(
@@ -140,7 +148,7 @@ def run_pass(
 
     config = get_model_config(chunks[0])
     with torch.no_grad() if forward_only else contextlib.nullcontext(), microbatches.installed(config):
-        outputs = get_forward_backward_func()(
+        outputs = (forward_backward_func or get_forward_backward_func())(
             forward_step_func=forward_step,
             data_iterator=microbatches.data_iterator(),
             model=list(chunks),

@@ -143,8 +143,7 @@ class PolicyTrainer:
                                            spec.num_experts)
         self.pipeline = MicrobatchPipeline(rows, spec, exchange)
         self.graphs = ForwardGraphs(self.chunks) if settings.cuda_graphs else None
-        self.update = UpdatePassGraphs(self.chunks, lambda old: PolicyLoss(old, settings), stack.zero_grad,
-                                       settings.cuda_graphs)
+        self.update = UpdatePassGraphs(self.chunks, PolicyLoss(settings), settings.cuda_graphs)
         self.timer = timer or PhaseTimer(rows.device)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
@@ -207,10 +206,10 @@ class PolicyTrainer:
 
         self.stack.zero_grad()
         microbatches = self.pipeline.prepare(batch, rollout_routes=settings.replay_mode == "r3", recorded=recorded,
-                                             fillers=settings.filler_routes)
+                                             fillers=settings.filler_routes, old_logprobs=old_logprobs)
         # The schedule ends with finalize_model_grads: gradients reduced and divided by the tokens.
         with self.timer.phase("pass/update"):
-            result = self.update.run(microbatches, old_logprobs)
+            result = self.update.run(microbatches)
         checked_passes.append(result)
         self._add_mismatch(sums, "mismatch/replay" if settings.trains_with_replay else "mismatch/live", result.outputs)
         if self._tp_rank == 0:
@@ -313,14 +312,13 @@ class PolicyTrainer:
 class PolicyLoss:
     """The update pass's loss function: clipped policy-gradient loss sum, and mismatch sums."""
 
-    def __init__(self, old_logprobs: Optional[Sequence[torch.Tensor]], settings: PolicyUpdateSettings):
-        self.old_logprobs = old_logprobs  # R2's old-log-prob pass; otherwise the rollout's
+    def __init__(self, settings: PolicyUpdateSettings):
         self.settings = settings
 
     def __call__(self, index: int, batch: RolloutMicrobatch, logits: torch.Tensor):
         logprobs = token_logprobs(logits, batch.labels, self.settings.temperature)
         mask = batch.loss_mask
-        old = batch.rollout_logprobs if self.old_logprobs is None else self.old_logprobs[index]
+        old = batch.rollout_logprobs if batch.old_logprobs is None else batch.old_logprobs  # R2's, or the rollout's
         loss = clipped_policy_loss_sums(logprobs, old, batch.advantages, mask, self.settings.clip_ratio)
         mismatch = logprob_mismatch_sums(logprobs.detach(), batch.rollout_logprobs, mask)
         tokens = mask.sum()

