@@ -20,7 +20,13 @@ loss) on the same samples, prepared by the loop's microbatch pipeline
   alltoall dispatcher's sync-free path, with its per-expert device check of the counts;
 * ``replay+host-splits-unchecked``: the same without that check, to price it;
 * ``replay-live-tail`` (``--data rollout`` only): the positions no loss can see routed
-  live instead of given filler routes, as the loop did before: Megatron's path.
+  live instead of given filler routes, as the loop did before: Megatron's path;
+* ``live+graph``, ``replay+graph``: ``live`` and ``replay`` with the whole pass (every
+  microbatch, forward and backward) one CUDA graph, Megatron's ``FullCudaGraphWrapper``
+  (:mod:`megatron_r3.rl.trainer.update_graphs`; device token counts, as a graph needs), where
+  the layout allows (one GPU per replica, grouped experts that keep their token counts on the
+  device: ``--moe-grouped-gemm-impl torch``); skipped, with the reason, elsewhere. One graph per
+  process: a graphed variant whose graph another replaced is captured again, untimed.
 
 ``--data full``: every sample fills ``seq_length / micro_batch_size`` tokens and every
 token has a route. ``--data rollout``: what an RL loop trains on: a prompt and a
@@ -32,9 +38,15 @@ missing route).
 For each it reports the host syncs of one pass (``torch.cuda.set_sync_debug_mode``
 warnings, plus event/stream/device synchronisations made from Python), the pass time (the
 median over ``--rounds`` interleaved rounds of each round's mean over ``--steps`` passes,
-with the min and max), the host's issue time (until the pass returns, before the device
-finishes) and the device's compute time of one pass (its kernels, NCCL's excluded).
-Garbage collection is off inside each timed pass.
+with the min and max), the host's preparation of the batch before the pass (``prepare``:
+rows, CP placement, routing plans, filler routes, staged routes, host token counts with their
+exchange; :mod:`megatron_r3.dataplane.device.batch_plan`; not part of the pass time), the
+host's issue time of the pass (until it returns, before the device finishes), the device's
+compute time of one pass (its kernels, NCCL's excluded) and their ratio, and the model FLOP
+rate against the card's bf16 peak. Garbage collection is off inside each timed region.
+
+Both shapes of docs/benchmarks.md ("The update pass bound by the GPU"): the default (2 rows of
+8192 tokens per rank) and ``--seq-length 16384 --microbatches 4``.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from bench import publish_report
+from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.device.microbatches import RowLayout
@@ -69,10 +82,18 @@ from megatron_r3.rl.model import factory as model_factory
 from megatron_r3.rl.model.passes import run_pass
 from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
+from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
 from megatron_r3.routing_replay import chunk_moe_layers, host_counts_refused
 
-VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked")
+GRAPHED = "+graph"
+VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked",
+            "live" + GRAPHED, "replay" + GRAPHED)
 ROLLOUT_VARIANTS = VARIANTS + ("replay-live-tail",)
+
+
+def _base(variant: str) -> str:
+    """The variant without its CUDA graph."""
+    return variant.removesuffix(GRAPHED)
 
 
 def parse_args(argv=None):
@@ -128,7 +149,8 @@ def initialize(args) -> torch.device:
     if dist.get_world_size() != args.ep:
         raise SystemExit(f"bench.step: world size {dist.get_world_size()} must equal --ep {args.ep}")
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    # Graph-safe on a GPU: Megatron's full-iteration graph registers the tracker's generators.
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=device.type == "cuda")
     return device
 
 
@@ -180,7 +202,8 @@ def make_samples(args, layer_numbers, seed) -> list[RolloutSample]:
 
 
 class UpdatePass:
-    """One variant's update pass over the same samples; returns the host issue time."""
+    """One variant's update pass over the same samples: :meth:`plan` (the host's preparation, once per
+    batch) and the pass itself (returns its host issue time)."""
 
     def __init__(self, args, model, config, device, samples):
         self.model, self.config, self.samples = model, config, samples
@@ -197,17 +220,45 @@ class UpdatePass:
         gen = np.random.default_rng(7)
         self.advantages = gen.standard_normal(len(samples))
         self.loss = PolicyLoss(PolicyUpdateSettings("r3", compare=False, clip_ratio=0.2, temperature=1.0))
+        # Megatron's full-iteration graph of the whole pass (one per process: graphed variants take turns).
+        self.graphs = UpdatePassGraphs([model], self.loss)
+        self._graphed = None  # the variant the graph holds
+        self._graph_grads = []
 
-    def __call__(self, variant: str) -> float:
+    def plan(self, variant: str) -> PlannedBatch:
+        """The host's preparation of the variant's batch: rows, plans, fillers, staged routes, host counts."""
+        pipeline = self.pipelines["host" if variant.startswith("replay+host-splits") else "device"]
+        return pipeline.plan(self.samples, self.advantages, rollout_routes=_base(variant) != "live",
+                             fillers=variant != "replay-live-tail")
+
+    def settle(self, variant: str) -> None:
+        """Before any pass of a graphed variant: where the graph is another variant's (or none), capture this
+        one's: the wrapper's first pass runs eagerly, its second captures."""
+        if variant.endswith(GRAPHED) and self._graphed != variant:
+            self.graphs.reset()
+            self._graphed = variant
+            for _ in range(2):
+                self(variant, self.plan(variant))
+            # The graph accumulates into these gradients (their memory, not the attribute): they must outlive
+            # the eager variants, which drop the parameters' gradients.
+            self._graph_grads = [param.grad for param in self.params]
+
+    def __call__(self, variant: str, batch: PlannedBatch) -> float:
         start = time.perf_counter()
         self.config.moe_check_host_tokens_per_expert = variant != "replay+host-splits-unchecked"
+        pipeline = self.pipelines["host" if variant.startswith("replay+host-splits") else "device"]
+        routes = _base(variant) != "live"
+        then = _to_router_replay if variant == "upstream" else None
+        microbatches = pipeline.prepare(batch, rollout_routes=routes, fillers=variant != "replay-live-tail",
+                                        then=then)
+        if variant.endswith(GRAPHED):
+            if self._graphed != variant:
+                raise RuntimeError(f"bench.step: settle({variant!r}) before its passes")
+            # Its gradients accumulate pass after pass (this benchmark reads none); eager passes drop theirs.
+            self.graphs.run(microbatches)
+            return time.perf_counter() - start
         for param in self.params:
             param.grad = None
-        pipeline = self.pipelines["host" if variant.startswith("replay+host-splits") else "device"]
-        routes = variant != "live"
-        then = _to_router_replay if variant == "upstream" else None
-        microbatches = pipeline.prepare(self.samples, self.advantages, rollout_routes=routes,
-                                        fillers=variant != "replay-live-tail", then=then)
         if variant == "upstream":
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         try:
@@ -331,40 +382,61 @@ def main(argv=None):
         if unknown:
             raise SystemExit(f"bench.step: unknown --variants {sorted(unknown)}; choose from {variants}")
         variants = tuple(v for v in variants if v in chosen)
+    skipped = []
     why = host_counts_refused(config)
     if why is not None:  # the core refuses host counts here: those variants cannot run
-        print(f"bench.step: skipping the replay+host-splits variants: {why}", file=sys.stderr)
+        skipped.append(f"Skipped the replay+host-splits variants: {why}.")
         variants = tuple(v for v in variants if not v.startswith("replay+host-splits"))
+    why_eager = update_pass.graphs.why_eager
+    if why_eager is not None:  # Megatron's full-iteration graph does not apply to this layout
+        skipped.append(f"Skipped the {GRAPHED} variants (the pass runs eagerly): {why_eager}.")
+        variants = tuple(v for v in variants if not v.endswith(GRAPHED))
+    for line in skipped:
+        print(f"bench.step: {line}", file=sys.stderr)
     flops = model_flops(args, [len(s.token_ids) for s in samples])
     tokens = sum(len(s.token_ids) for s in samples)
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
+    def run(variant):
+        return update_pass(variant, update_pass.plan(variant))
+
     for variant in variants:
+        update_pass.settle(variant)
         for _ in range(args.warmup):
-            update_pass(variant)
+            run(variant)
         sync()
     syncs = {}
     for variant in variants:
+        update_pass.settle(variant)
+        batch = update_pass.plan(variant)
         counts = {}
         if on_gpu:
             with counted_host_syncs(counts):
-                update_pass(variant)
+                update_pass(variant, batch)
             sync()
         syncs[variant] = counts
-    device_ms = {v: kernel_ms(partial(update_pass, v)) for v in variants} if on_gpu else {}
+    device_ms = {}
+    for variant in variants if on_gpu else ():
+        update_pass.settle(variant)
+        device_ms[variant] = kernel_ms(partial(update_pass, variant, update_pass.plan(variant)))
     if args.profile_host:
         for variant in variants:
-            text = host_profile(partial(update_pass, variant), args.profile_host)
-            sync()
-            if rank == 0:
-                print(f"--- host profile of one `{variant}` pass ---\n{text}", flush=True)
+            update_pass.settle(variant)
+            for what, fn in (("prepare", partial(update_pass.plan, variant)),
+                             ("pass", partial(update_pass, variant, update_pass.plan(variant)))):
+                text = host_profile(fn, args.profile_host)
+                sync()
+                if rank == 0:
+                    print(f"--- host profile of one `{variant}` {what} ---\n{text}", flush=True)
 
     per_round = {v: [] for v in variants}
     issue = {v: [] for v in variants}
+    prepare = {v: [] for v in variants}
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for variant in order:
+            update_pass.settle(variant)  # a graphed variant whose graph another one replaced: captured again
             times = []
             for _ in range(args.steps):
                 sync()
@@ -372,7 +444,10 @@ def main(argv=None):
                 gc.disable()  # as Python's timeit does: no collection inside a timed region
                 try:
                     start = time.perf_counter()
-                    issue[variant].append(update_pass(variant))
+                    batch = update_pass.plan(variant)
+                    prepare[variant].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    issue[variant].append(update_pass(variant, batch))
                     sync()
                     times.append(time.perf_counter() - start)
                 finally:
@@ -384,19 +459,21 @@ def main(argv=None):
 
     peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
-        report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, device_ms,
-                        flops, tokens, peak)
+        report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, prepare,
+                        device_ms, flops, tokens, peak, skipped)
         publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def render(args, device, config, experts, variants, syncs, per_round, issue, device_ms, flops, tokens, peak) -> str:
+def render(args, device, config, experts, variants, syncs, per_round, issue, prepare, device_ms, flops, tokens,
+           peak, skipped) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
     command += shlex.join(sys.argv[1:])
     median = {v: statistics.median(per_round[v]) for v in variants}
     issue_median = {v: statistics.median(issue[v]) for v in variants}
+    prepare_median = {v: statistics.median(prepare[v]) for v in variants}
     data = ("rollout-shaped samples (final token without a route, padded rows)" if args.data == "rollout"
             else "full rows, every token routed")
     lines = [
@@ -419,22 +496,21 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, dev
         f"(an 8192^3 matrix product).",
         "",
         "| variant | sync-debug syncs / pass | event/stream waits / pass | pass ms (median) | min..max | "
-        "host issue ms | device compute ms | model TFLOP/s per GPU | of bf16 peak | tokens/s (all ranks) | "
-        "vs upstream | vs live |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "prepare ms | host issue ms | device compute ms | host issue / device | model TFLOP/s per GPU | "
+        "of bf16 peak | tokens/s (all ranks) | vs upstream | vs live |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
         rate = flops / median[v]
         lines.append(
             f"| {v} | {syncs[v].get('sync_debug', '-')} | {syncs[v].get('waits', '-')} | {1e3 * median[v]:.2f} | "
-            f"{1e3 * min(per_round[v]):.2f}..{1e3 * max(per_round[v]):.2f} | {1e3 * issue_median[v]:.2f} | "
-            f"{device_ms.get(v, float('nan')):.2f} | {rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
+            f"{1e3 * min(per_round[v]):.2f}..{1e3 * max(per_round[v]):.2f} | {1e3 * prepare_median[v]:.2f} | "
+            f"{1e3 * issue_median[v]:.2f} | {device_ms.get(v, float('nan')):.2f} | "
+            f"{1e3 * issue_median[v] / device_ms.get(v, float('nan')):.2f} | {rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
             f"{args.ep * tokens / median[v]:.0f} | {median[v] / median['upstream']:.3f} | "
             f"{median[v] / median['live']:.3f} |"
         )
-    lines += [
-        "",
-    ]
+    lines += ["", *skipped]
     if "replay" in variants:
         lines.append(f"Host issue time, `replay` vs `upstream`: "
                      f"{issue_median['replay'] / issue_median['upstream']:.3f}.")

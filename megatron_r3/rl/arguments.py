@@ -250,8 +250,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     rl.add_argument("--no-trainer-cuda-graphs", dest="trainer_cuda_graphs", action="store_false",
                     help="run the trainer's passes eagerly; by default, where a model replica is one GPU and its "
                          "experts are grouped, the forward-only passes that route live (--r3-compare's when "
-                         "training replays, R2's old-log-prob pass) and, with one data-parallel rank, the update "
-                         "pass (forward and backward) replay CUDA graphs captured on the first pass")
+                         "training replays, R2's old-log-prob pass) replay CUDA graphs captured on the first pass, "
+                         "and, with one data-parallel rank, the whole update pass (every microbatch, forward and "
+                         "backward) is Megatron's full-iteration graph, captured on the second pass")
     rl.add_argument("--clip-ratio", type=float, default=0.2, help="PPO clip epsilon of the importance ratio")
     rl.add_argument("--routing-replay-mode", choices=REPLAY_MODES, default=None,
                     help="with --moe-enable-routing-replay: replay the rollout engine's routes (r3, the default) "

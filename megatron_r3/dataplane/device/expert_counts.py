@@ -47,10 +47,12 @@ def local_expert_counts(
     rows = plan.token_index
     if (rows < 0).any() or not valid[rows].all():
         return None
-    layers, topk = plan.num_local_layers, ids.shape[2]
-    picked = ids[rows][:, plan.layer_index].astype(np.int64)  # [n, L_local, K]
-    picked += (np.arange(layers, dtype=np.int64) * num_experts)[None, :, None]
-    return np.bincount(picked.reshape(-1), minlength=layers * num_experts).reshape(layers, num_experts)
+    # Counts do not depend on the tokens' order: where the rank routes every source token once
+    # (no CP or SP split), the source is counted as it is, without gathering it first.
+    whole = len(rows) == len(ids) and bool((np.bincount(rows, minlength=len(ids)) == 1).all())
+    source = ids if whole else ids[rows]
+    counts = [np.bincount(source[:, layer].reshape(-1), minlength=num_experts) for layer in plan.layer_index]
+    return np.stack(counts).astype(np.int64) if counts else np.zeros((0, num_experts), np.int64)
 
 
 def gloo_group_like(group: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:

@@ -103,9 +103,13 @@ class HostRow:
 
     def to_device(self, device: torch.device) -> RolloutMicrobatch:
         """The microbatch on ``device``: one asynchronous copy of the staging buffer to a GPU (on the
-        current stream, which the forward runs on), a copy of it on the host."""
+        current stream, which the forward runs on), a copy of it on the host (numpy's: torch's would
+        go through its intra-op thread pool)."""
         data = self.staging.data
-        data = data.clone() if device.type != "cuda" else data.to(device, non_blocking=True)
+        if device.type == "cuda":
+            data = data.to(device, non_blocking=True)
+        else:
+            data = torch.from_numpy(data.numpy().copy())
         views = self.staging.views(data)
         row = {name: views[name].unsqueeze(0) for name, _ in _ROW_FIELDS}
         return RolloutMicrobatch(

@@ -137,7 +137,7 @@ class UpdatePassGraphs:
             if self._wrapper is None:
                 self._wrapper = FullCudaGraphWrapper(get_forward_backward_func(), cuda_graph_warmup_steps=1)
             if key != self._key:
-                self._reset()
+                self.reset()
                 self._key = key
             step = self._wrapper.curr_iter(_STAGE)  # 0: eager, 1: capture and replay, later: replay
             result = run_through(self._wrapper, self.chunks, items, self.loss_fn, microbatches.seq_length)
@@ -149,9 +149,12 @@ class UpdatePassGraphs:
             # A replay makes no device sync, so it counts as the sync-free path.
             return PassResult(result.outputs, self._routings, items, host_split_microbatches=len(items))
 
-    def _reset(self) -> None:
-        self._wrapper.reset_cuda_graph(_STAGE)
-        StaticBufferLoader.static_buffers[_STAGE].clear()  # buffers of the old shapes
+    def reset(self) -> None:
+        """Drop the graph: the next pass runs eagerly, the one after captures again."""
+        if self._wrapper is not None:
+            self._wrapper.reset_cuda_graph(_STAGE)
+            StaticBufferLoader.static_buffers[_STAGE].clear()  # buffers of the old shapes
+        self._key = None
         self._routings = None
 
 
