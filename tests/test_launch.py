@@ -96,17 +96,18 @@ def wrong_counts_worker(argv):
     right in sum (the dispatch runs), wrong per expert."""
     from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 
-    gather = ExpertCountExchange.gather
+    gather = ExpertCountExchange.gather_batch
 
     def swapped(self, local, num_layers):
-        chunks = gather(self, local, num_layers)
+        microbatches = gather(self, local, num_layers)
+        chunks = microbatches[0]  # the batch's first microbatch
         if torch.distributed.get_rank() == 0 and chunks[0] is not None:
             counts = chunks[0][0, 0]  # this rank's row (one rank per tp_ep group), first layer
             most, least = int(counts.argmax()), int(counts.argmin())
             counts[[most, least]] = counts[[least, most]]
-        return chunks
+        return microbatches
 
-    ExpertCountExchange.gather = swapped
+    ExpertCountExchange.gather_batch = swapped
     return train_worker(argv)
 
 
