@@ -5,17 +5,15 @@ The runs use the distributed optimizer: its state is sharded over the data-paral
 checkpoint holds it per parameter, so it loads under any layout.
 """
 
-import json
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from tests.support.launcher import run_workers
+from tests.support.torchrun import children, descendants, metrics_rows, run_and_act
 from tests.test_launch import DUMP_FLAGS, EMBEDDED_FLAGS, LAYOUTS, REPO, train_worker, write_dump
 
 # What decides an iteration's numbers: all of them must come out the same after a resume.
@@ -116,36 +114,6 @@ def test_checkpoint_saved_under_ep2_loads_under_another_layout(tmp_path, layout,
     assert [h["iteration"] for h in other["history"]] == [3, 4]
 
 
-def _children(pid):
-    """Processes whose parent is ``pid`` (Linux /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _descendants(pid):
-    """The processes ``pid`` started, and theirs."""
-    out = []
-    for child in _children(pid):
-        out += [child, *_descendants(child)]
-    return out
-
-
-def _rows(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoint(tmp_path, backend):
     iters = 8
@@ -160,34 +128,17 @@ def test_torchrun_restart_after_a_killed_rank_continues_from_the_latest_checkpoi
                "--max-restarts", "1", "launch/pretrain_gpt_r3.py", *flags, "--save", ckpt, "--load", ckpt, "--load-optional",
                "--save-interval", "1", "--metrics-file", metrics]
     log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    orphans = []
-    try:
-        deadline = time.monotonic() + 300
-        while len(_rows(metrics)) < 3:
-            assert agent.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run did not reach iteration 3"
-            time.sleep(0.05)
-        workers = _children(agent.pid)
+
+    def kill_a_worker(agent):
+        workers = children(agent.pid)
         assert len(workers) == 2
-        # What the rank started (its checkpoint writer's multiprocessing manager and resource tracker)
-        # outlives it as orphans: ended below.
-        orphans = _descendants(workers[0])
         os.kill(workers[0], signal.SIGKILL)
-        agent.wait(timeout=300)
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        return descendants(workers[0])
+
+    agent = run_and_act(command, REPO, env, log, metrics, 3, kill_a_worker)
     output = log.read_text()
     assert agent.returncode == 0, output[-3000:]
     assert "resumed from" in output  # the restarted workers loaded a checkpoint
-    rows = _rows(metrics)
+    rows = metrics_rows(metrics)
     assert [r["iteration"] for r in rows] == list(range(1, iters + 1))  # none lost, none repeated
     assert_same_numbers(rows, reference, backend)

@@ -10,15 +10,14 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.test_bad_input_launcher import run_cases
 from tests.test_launch import EMBEDDED_FLAGS, REPO
-from tests.test_launch_checkpoints import _descendants, _rows, deterministic
+from tests.support.torchrun import descendants, metrics_rows, run_and_act
+from tests.test_launch_checkpoints import deterministic
 
 
 class SignalAt:
@@ -119,7 +118,7 @@ def test_a_stop_signal_stops_at_the_next_safe_point_saved_and_the_resumed_run_co
     assert sorted(os.listdir(ckpt)) == saved + ["iter_0000004", "latest_checkpointed_iteration.txt"]
     assert f" resumed from {ckpt} at iteration {resumed_at} ({4 * resumed_at} samples consumed)" in resumed["out"]
     assert _iterations(work / "m.jsonl") == [1, 2, 3, 4]
-    assert deterministic(_rows(work / "m.jsonl")) == deterministic(_rows(work / "whole.jsonl"))
+    assert deterministic(metrics_rows(work / "m.jsonl")) == deterministic(metrics_rows(work / "whole.jsonl"))
 
 
 def test_under_torchrun_sigterm_stops_every_worker_at_a_safe_point_with_nothing_partial(tmp_path):
@@ -132,27 +131,13 @@ def test_under_torchrun_sigterm_stops_every_worker_at_a_safe_point_with_nothing_
                "--shutdown-timeout", "300", "launch/pretrain_gpt_r3.py", *EMBEDDED_FLAGS, "--train-iters", "1000",
                "--save", str(ckpt), "--save-interval", "1", "--metrics-file", str(metrics)]
     log = tmp_path / "torchrun.log"
-    with open(log, "w") as out:
-        agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-    orphans = []
-    try:
-        deadline = time.monotonic() + 500
-        while len(_rows(metrics)) < 2:
-            assert agent.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run did not reach iteration 2"
-            time.sleep(0.05)
-        orphans = _descendants(agent.pid)
+
+    def signal_the_agent(agent):
+        orphans = descendants(agent.pid)
         agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=400)
-    finally:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-        for pid in orphans:  # what the workers started (the checkpoint writer's manager) may outlive them
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        return orphans
+
+    agent = run_and_act(command, REPO, env, log, metrics, 2, signal_the_agent, timeout=500)
     output = log.read_text()
     assert agent.returncode == 1 and "SignalException" in output, output[-3000:]
     assert "pretrain_gpt_r3.py: error" not in output and "Unable to shutdown process" not in output, output[-3000:]
@@ -162,4 +147,4 @@ def test_under_torchrun_sigterm_stops_every_worker_at_a_safe_point_with_nothing_
     kept = last - 1 if "its save was abandoned" in stop else last
     assert not [name for name in os.listdir(ckpt) if name.endswith(".saving")]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(kept)
-    assert [row["iteration"] for row in _rows(metrics)] == list(range(1, last + 1))
+    assert [row["iteration"] for row in metrics_rows(metrics)] == list(range(1, last + 1))
