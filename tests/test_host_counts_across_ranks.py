@@ -60,3 +60,66 @@ def test_ranks_that_hold_another_matrix_are_named_before_the_dispatch():
 @pytest.mark.slow
 def test_the_same_matrix_on_every_rank_passes():
     assert run_workers(_worker, 2, None) == [None, None]
+
+
+class _Permuted(Exception):
+    """The dispatch took the host counts and reached the permutation."""
+
+
+def _fused_dispatch_worker():
+    """A dispatcher over 2 tp_ep ranks (EP=2 in the parallel state) under a config that says
+    expert_model_parallel_size=1, with the fused permutation and host counts. Returns the
+    dispatcher's error, or "permuted" where it took the counts."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init_parallel(LAYOUT)
+    try:
+        num_experts, topk, hidden = 4, 2, 8
+        config = TransformerConfig(
+            num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=num_experts,
+            moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+            use_cpu_initialization=True, add_bias_linear=False,
+        )
+        rank = dist.get_rank()
+        local = [rank * 2, rank * 2 + 1]
+        dispatcher = MoEAlltoAllTokenDispatcher(
+            len(local), local, config, moe_utils.get_default_pg_collection()
+        )
+        assert dispatcher.tp_size * dispatcher.ep_size == 2
+        # The fused permutation needs TransformerEngine to build; the dispatch only reads the flag.
+        config.moe_permute_fusion = True
+
+        def permute(*args, **kwargs):
+            raise _Permuted
+
+        token_dispatcher.permute = permute
+        ids = torch.rand(6, num_experts, generator=torch.Generator().manual_seed(rank))
+        ids = ids.topk(topk, dim=-1).indices
+        routing_map = torch.zeros(6, num_experts, dtype=torch.bool).scatter(1, ids, True)
+        own = torch.bincount(ids.flatten(), minlength=num_experts)
+        matrix = [torch.empty_like(own) for _ in range(2)]
+        dist.all_gather(matrix, own)
+        try:
+            dispatcher.dispatch_preprocess(
+                torch.randn(6, hidden), routing_map, routing_map.float() / topk,
+                host_tokens_per_expert=torch.stack(matrix),
+            )
+        except ValueError as err:
+            return str(err)
+        except _Permuted:
+            return "permuted"
+        return "dispatched"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_a_dispatcher_of_two_ranks_refuses_host_counts_with_the_fused_permutation():
+    """The fused sort by local expert takes device split sizes, so host counts are refused over
+    more than one tp_ep rank: the dispatcher's own group of 2 decides, not the config's
+    expert_tensor_parallel_size * expert_model_parallel_size of 1 (sized from the config, the
+    counts were taken and the dispatch reached the permutation)."""
+    errors = run_workers(_fused_dispatch_worker, 2)
+    assert all("moe_permute_fusion" in e for e in errors), errors
