@@ -6,7 +6,7 @@ MEGATRON ?=
 CPU ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
+.PHONY: check-megatron-lm install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
@@ -14,7 +14,8 @@ help:
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
-	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only)"
+	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
+	@echo "make check-megatron-lm [MEGATRON_GIT=repo] [MEGATRON_PYTHON=py]   git am --3way both series on Megatron-LM main, compile, collect tests/unit_tests/rl (docs/megatron_rl.md)"
 	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
 
 install:
@@ -61,6 +62,14 @@ check-patches:
 patch:
 	@test -n "$(MEGATRON)" || { echo "usage: make patch MEGATRON=/path/to/Megatron-LM [CPU=1]" >&2; exit 2; }
 	$(PYTHON) tools/patch_series.py apply $(if $(CPU),--cpu) "$(MEGATRON)"
+	$(PYTHON) tools/megatron_lm_series.py apply --only-main "$(MEGATRON)"
+
+# The Megatron-LM series on a scratch clone of main with the core series (docs/megatron_rl.md);
+# MEGATRON_GIT: a Megatron-LM git repository; MEGATRON_PYTHON: collect tests/unit_tests/rl with it.
+MEGATRON_GIT ?= /work/.mirror/NVIDIA+Megatron-LM/repo
+MEGATRON_PYTHON ?=
+check-megatron-lm:
+	$(PYTHON) tools/megatron_lm_series.py check --megatron "$(MEGATRON_GIT)" $(if $(MEGATRON_PYTHON),--python "$(MEGATRON_PYTHON)")
 
 clean:
 	rm -rf build .venv megatron_r3/_C*.so *.egg-info

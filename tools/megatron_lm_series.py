@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Apply, check and build the Megatron-LM series (patches/megatron-lm/).
+
+The core series (patches/, tools/patch_series.py) changes megatron-core; this one changes
+what only a Megatron-LM checkout has: megatron/rl/, train_rl.py and the parts of the
+inference engine the RL loop needs, so that `train_rl.py --moe-enable-routing-replay`
+replays the routes its inference engine records (docs/megatron_rl.md). It is made on
+Megatron-LM main (the core series' "main" base) on top of the core series' form for it,
+one commit per patch, in `git format-patch` form with a `series` file.
+
+Commands:
+  apply [--only-main] CHECKOUT
+                   apply the series to a Megatron-LM main checkout that has the core
+                   series' main form (make patch applies both); a rehearsal first, then
+                   `git apply`; refuses another base or a patched tree (--only-main: says
+                   so and succeeds where the tree is no Megatron-LM main checkout).
+  check [--megatron GIT] [--python PY]
+                   on a scratch clone of Megatron-LM main: `git am --3way` of the core
+                   series' main form, then of this series; byte-compile every file the series
+                   touches; with --python, collect tests/unit_tests/rl with that interpreter.
+  workspace GIT DIR
+                   DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
+                   this series as commits: edit, commit, then 'export DIR'.
+  export DIR       rewrite the series from core-r3..HEAD of a workspace.
+  extract PATH OUT write the file PATH as the series leaves it (a file the series creates)
+                   under OUT: what CPU tests import without a Megatron-LM checkout.
+"""
+
+import argparse
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERIES_DIR = ROOT / "patches" / "megatron-lm"
+CORE_TAG = "core-r3"
+# The default Megatron-LM git repository for check: the fetched mirror of this workplace.
+DEFAULT_MEGATRON_GIT = "/work/.mirror/NVIDIA+Megatron-LM/repo"
+RL_TESTS = "tests/unit_tests/rl"
+
+
+class SeriesError(RuntimeError):
+    """A user-facing failure: printed without a traceback."""
+
+
+def _patch_series():
+    """tools/patch_series.py, which owns the core series and its bases."""
+    spec = importlib.util.spec_from_file_location("patch_series", ROOT / "tools" / "patch_series.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def series_files():
+    """The Megatron-LM series, in apply order (patches/megatron-lm/series)."""
+    series = SERIES_DIR / "series"
+    if not series.is_file():
+        raise SeriesError(f"{series} is missing")
+    names = [line.strip() for line in series.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    files = [SERIES_DIR / name for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise SeriesError(f"patches/megatron-lm/series names files that do not exist: {missing}")
+    for path in files:
+        head = path.read_text().split("\n---\n", 1)[0]
+        if "Subject: " not in head or "Why:" not in head or "What:" not in head:
+            raise SeriesError(f"{path.name}: the header must have a Subject and say 'Why:' and 'What:'")
+    return files
+
+
+def core_main_form():
+    """The core series' form for Megatron-LM main, and the commit it is made on."""
+    core = _patch_series()
+    if not hasattr(core, "form_files") or "main" not in getattr(core, "BASES", {}):
+        raise SeriesError("the core series in patches/ has no form for Megatron-LM main "
+                          "(tools/patch_series.py has no 'main' base)")
+    base = core.BASES["main"]
+    return core.form_files(base), base.commit
+
+
+def git(repo, *args, check=True):
+    ident = ["-c", "user.name=megatron-r3 maintainers", "-c", "user.email=maintainers@megatron-r3.dev"]
+    proc = subprocess.run(["git", *ident, *args], cwd=repo, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise SeriesError(f"git {' '.join(args)} in {repo} failed:\n{proc.stdout}{proc.stderr}")
+    return proc
+
+
+def am(repo, files, what):
+    """`git am --3way` each patch in order; on failure abort and name the patch."""
+    for path in files:
+        proc = git(repo, "am", "-q", "--3way", "--keep-cr", str(path), check=False)
+        if proc.returncode != 0:
+            git(repo, "am", "--abort", check=False)
+            raise SeriesError(f"{path.name} ({what}) does not apply with git am --3way:\n{proc.stderr}")
+
+
+def touched_files(files):
+    """Paths the series' patches create or change, in first-touch order."""
+    seen = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            if line.startswith("diff --git a/"):
+                name = line.split(" b/", 1)[1]
+                if name not in seen:
+                    seen.append(name)
+    return seen
+
+
+def is_megatron_lm_main(tree):
+    """Whether ``tree`` is a Megatron-LM checkout (train_rl.py) of the core series' main base."""
+    core = _patch_series()
+    return (tree / "train_rl.py").is_file() and core.tree_version(tree) in core.BASES["main"].versions
+
+
+def apply_series(tree, only_main=False):
+    """Apply the series to a Megatron-LM main checkout that has the core series' main form."""
+    tree = Path(tree).resolve()
+    if only_main and not is_megatron_lm_main(tree):
+        print(f"{tree} is no Megatron-LM main checkout: the Megatron-LM series (patches/megatron-lm/) "
+              "is made on main only, not applied")
+        return
+    if not is_megatron_lm_main(tree):
+        raise SeriesError(f"{tree} is not a Megatron-LM main checkout (train_rl.py and Megatron-Core "
+                          "0.20.0): the Megatron-LM series is made on main only")
+    files = series_files()
+    core_files, _ = core_main_form()
+    if git(tree, "apply", "--check", "--reverse", str(core_files[-1]), check=False).returncode != 0:
+        raise SeriesError(f"{tree} lacks the core series: apply it first (make patch MEGATRON={tree})")
+    if git(tree, "apply", "--check", "--reverse", str(files[-1]), check=False).returncode == 0:
+        raise SeriesError(f"{tree} already has the Megatron-LM series applied")
+    with tempfile.TemporaryDirectory() as scratch:
+        # Rehearse on a copy of the files the series touches: later patches build on earlier ones.
+        for name in touched_files(files):
+            if (tree / name).is_file():
+                (Path(scratch) / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tree / name, Path(scratch) / name)
+        for path in files:
+            proc = subprocess.run(["git", "apply", str(path)], cwd=scratch, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SeriesError(f"{path.name} does not apply to {tree}:\n{proc.stderr}")
+    for path in files:
+        git(tree, "apply", str(path))
+    print(f"applied {len(files)} Megatron-LM patches to {tree}")
+
+
+def check_series(megatron_git, python=None):
+    """git am --3way of both series on a scratch clone of Megatron-LM main; compile; collect."""
+    files = series_files()
+    core_files, commit = core_main_form()
+    with tempfile.TemporaryDirectory() as scratch:
+        repo = Path(scratch) / "Megatron-LM"
+        subprocess.run(["git", "clone", "-q", "--no-checkout", str(megatron_git), str(repo)], check=True)
+        git(repo, "checkout", "-q", commit)
+        am(repo, core_files, "core series, main form")
+        am(repo, files, "Megatron-LM series")
+        print(f"ok  git am --3way: {len(core_files)} core and {len(files)} Megatron-LM patches on {commit[:10]}")
+        sources = [name for name in touched_files(files) if name.endswith(".py")]
+        proc = subprocess.run([sys.executable, "-m", "py_compile", *sources], cwd=repo,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SeriesError(f"the patched files do not compile:\n{proc.stderr}")
+        print(f"ok  {len(sources)} patched Python files compile")
+        if python is not None:
+            proc = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                   RL_TESTS], cwd=repo, capture_output=True, text=True)
+            tail = "\n".join(proc.stdout.splitlines()[-3:])
+            if proc.returncode != 0:
+                raise SeriesError(f"{RL_TESTS} does not collect on the patched tree:\n{proc.stdout[-4000:]}"
+                                  f"{proc.stderr[-2000:]}")
+            print(f"ok  {RL_TESTS} collects on the patched tree: {tail}")
+
+
+def make_workspace(megatron_git, out):
+    out = Path(out)
+    core_files, commit = core_main_form()
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(megatron_git), str(out)], check=True)
+    git(out, "checkout", "-q", "-b", "megatron-lm-r3", commit)
+    am(out, core_files, "core series, main form")
+    git(out, "tag", "-f", CORE_TAG)
+    am(out, series_files(), "Megatron-LM series")
+    print(f"workspace ready at {out}: edit, commit, then 'tools/megatron_lm_series.py export {out}'")
+
+
+def export_series(repo):
+    repo = Path(repo)
+    SERIES_DIR.mkdir(parents=True, exist_ok=True)
+    for old in SERIES_DIR.glob("*.diff"):
+        old.unlink()
+    out = git(repo, "format-patch", "--no-signature", "--zero-commit", "--no-numbered", "--suffix=.diff",
+              "-o", str(SERIES_DIR), f"{CORE_TAG}..HEAD").stdout.split()
+    names = [Path(p).name for p in out]
+    (SERIES_DIR / "series").write_text("".join(n + "\n" for n in names))
+    series_files()
+    print(f"exported {len(names)} patches to {SERIES_DIR}")
+
+
+def extract(path, out):
+    """Write ``path`` as the series leaves it under ``out`` (it must be a file the series creates)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    touching = [f for f in series_files() if f"diff --git a/{path} b/{path}" in f.read_text()]
+    if not touching or f"--- /dev/null\n+++ b/{path}\n" not in touching[0].read_text():
+        raise SeriesError(f"the Megatron-LM series does not create {path}")
+    proc = subprocess.run(["git", "apply", f"--include={path}", *map(str, touching)], cwd=out,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SeriesError(f"cannot extract {path} from the series:\n{proc.stderr}")
+    return out / path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    apply = sub.add_parser("apply")
+    apply.add_argument("--only-main", action="store_true", help="skip a tree that is no Megatron-LM main checkout")
+    apply.add_argument("checkout")
+    check = sub.add_parser("check")
+    check.add_argument("--megatron", default=DEFAULT_MEGATRON_GIT, help="a Megatron-LM git repository")
+    check.add_argument("--python", help="collect tests/unit_tests/rl with this interpreter")
+    workspace = sub.add_parser("workspace")
+    workspace.add_argument("megatron_git")
+    workspace.add_argument("out")
+    sub.add_parser("export").add_argument("repo")
+    ext = sub.add_parser("extract")
+    ext.add_argument("path")
+    ext.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "apply":
+            apply_series(args.checkout, args.only_main)
+        elif args.command == "check":
+            check_series(args.megatron, args.python)
+        elif args.command == "workspace":
+            make_workspace(args.megatron_git, args.out)
+        elif args.command == "export":
+            export_series(args.repo)
+        elif args.command == "extract":
+            print(extract(args.path, args.out))
+    except SeriesError as err:
+        print(f"megatron_lm_series: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
