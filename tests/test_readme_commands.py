@@ -21,15 +21,18 @@ LAUNCHER = "launch/pretrain_gpt_r3.py"
 
 
 def code_blocks(path: Path) -> list[list[str]]:
-    """The shell lines of each fenced code block (``` or ```bash), backslash continuations joined."""
-    blocks = re.findall(r"^```(?:bash|sh)?\n(.*?)^```", path.read_text(), re.S | re.M)
-    return [[line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()] for block in blocks]
+    """The shell lines of each fenced code block (``` or ```bash; not ```text and the like), backslash
+    continuations joined."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", path.read_text(), re.S | re.M)
+    return [[line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+            for language, block in blocks if language in ("", "bash", "sh")]
 
 
 def launcher_commands(path: Path) -> list[str]:
-    """The commands of ``path`` that start the launcher, comments cut."""
+    """The commands of ``path`` that start the launcher (through torchrun or python), comments cut; a line of
+    printed output that names the launcher (torchrun's failure report) is not one."""
     return [line.partition("  #")[0].strip() for block in code_blocks(path) for line in block
-            if LAUNCHER in line and not line.startswith("#")]
+            if LAUNCHER in line and line.split()[0] in ("torchrun", "python")]
 
 
 def setup_lines() -> list[str]:

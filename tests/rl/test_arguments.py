@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_r3.rl import arguments
 from megatron_r3.rl.arguments import default_micro_batch_size, parse_args
 
 
@@ -17,6 +18,8 @@ from megatron_r3.rl.arguments import default_micro_batch_size, parse_args
 ])
 def test_micro_batch_size_defaults_to_one_microbatch_per_stage(monkeypatch, flags, world_size, expected):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    # Before torchrun's group exists, as at start-up (an earlier test in this process may have left a one-rank one).
+    monkeypatch.setattr(arguments.dist, "is_initialized", lambda: False)
     args = parse_args(flags)
     assert args.micro_batch_size == expected
     assert default_micro_batch_size(args, world_size) == expected

@@ -7,6 +7,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
+from megatron_r3.layers import transformer_impl
 from megatron_r3.rl.arguments import (
     model_settings,
     parallel_settings,
@@ -77,15 +78,17 @@ def test_model_flags_reach_the_config():
 
 
 @pytest.mark.parametrize("flags, training, engine", [
-    ([], "transformer_engine", "transformer_engine"),  # TEGroupedMLP in both
+    ([], "transformer_engine", "transformer_engine"),  # TEGroupedMLP in both where TE runs one grouped GEMM
     (["--moe-grouped-gemm-impl", "torch"], "torch", "torch"),
     # A policy of SequentialMLP experts: the engine's grouped experts must keep their parameters
     # (torch's GroupedGemmExperts), not TEGroupedMLP's weight<i>, or its lagged weights cannot follow.
     (["--no-moe-grouped-gemm"], None, "torch"),
     (["--no-moe-grouped-gemm", "--moe-grouped-gemm-impl", "transformer_engine"], None, "torch"),
 ])
-def test_the_rollout_engines_grouped_experts_keep_the_policys_parameters(flags, training, engine):
-    # TE's layers cannot be built here; the choice reads only these two config fields.
+def test_the_rollout_engines_grouped_experts_keep_the_policys_parameters(monkeypatch, flags, training, engine):
+    # TE's layers cannot be built here; the choice reads only these two config fields and TE's capability,
+    # pinned to a node whose TE runs one grouped GEMM per linear.
+    monkeypatch.setattr(transformer_impl, "te_grouped_gemm_problem", lambda: None)
     model = model_settings(parse_args(flags))
     for config_grouped, expected in ((model.moe_grouped_gemm, training), (True, engine)):
         config = SimpleNamespace(moe_grouped_gemm=config_grouped, transformer_impl="transformer_engine")
