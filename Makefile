@@ -38,9 +38,11 @@ test: $(VPY)
 
 # Packing kernel, then the trainer's update pass on rollout-shaped data (the loop benchmark) and on
 # full rows, on one GPU and, with two or more, at EP=2 under torchrun; then the update pass and optimizer
-# step on Megatron's training stack against the loop's old one; the rollout engines' generation tokens/s.
+# step on Megatron's training stack against the loop's old one; the rollout engines' generation tokens/s;
+# the host's preparation of a batch before and after the batch plan (CPU).
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)
+	$(VPY) -m bench.host_prepare --out build/bench/host-prepare.md
 	$(VPY) -m bench.step --data rollout --out build/bench/loop-ep1.md
 	$(VPY) -m bench.step --data full --out build/bench/step-ep1.md
 	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
