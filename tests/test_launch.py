@@ -87,9 +87,11 @@ def test_dump_training_runs_and_learns_under_layouts(tmp_path, layout):
     assert history[0]["mismatch/live/k3_kl"] is None  # no --r3-compare with a dump by default
     assert 0 <= history[0]["reward/mean"] <= 1
     lines = results[1]["lines"]
+    # Start-up says what runs (layers, update pass) and where its seconds went, then one line per iteration.
     assert lines[0] == " layers: Megatron's local layers in fp32; experts: torch's grouped GEMM (GroupedGemmExperts)"
-    assert lines[1].startswith(" time to build the policy, its training stack and the rollout source (seconds): ")
-    assert len(lines) == 8 and lines[2].startswith(" iteration        1/       6 | consumed samples: ")
+    assert lines[1] == " update pass: eager (a CPU)"
+    assert lines[2].startswith(" time to build the policy, its training stack and the rollout source (seconds): ")
+    assert len(lines) == 9 and lines[3].startswith(" iteration        1/       6 | consumed samples: ")
 
 
 def wrong_counts_worker(argv):
