@@ -1,4 +1,4 @@
-"""Turn saved vLLM, SGLang or Megatron-inference rollouts (JSONL) into a megatron-r3 rollout dump.
+"""Turn saved vLLM, SGLang, TensorRT-LLM or Megatron-inference rollouts (JSONL) into a megatron-r3 rollout dump.
 
     python tools/dump_rollouts.py --engine vllm --input rollouts.jsonl --out rollouts.r3dump \\
         --num-layers 48 --moe-layer-freq 1 --num-experts 128 --moe-router-topk 8
@@ -39,17 +39,25 @@ Input, one JSON object per line:
   bytes, base64) or nested lists; null when the engine returned none (refused);
 * ``reward`` (per completion) is optional; any other field is ignored.
 
-vLLM's split layout (``AuxOutputConfig(enable_return_routed_experts=True)``): the
+* ``routed_experts`` may also be base64 of the array's ``.npy`` bytes (vLLM's OpenAI form).
+  vLLM 0.33 returns ``[T - 1 - start, num_hidden_layers, topk]`` in uint8 (up to 256 experts),
+  uint16 (up to 65536) or int32, starting at the request's ``routed_experts_prompt_start``
+  (``start``; give it as the line's ``"routed_experts_prompt_start"``, default 0: vLLM does
+  not echo it); vLLM before 0.21 returns int32 from token 0. The dtype tells which.
+
+vLLM's split layout (0.21-0.32, ``AuxOutputConfig(enable_return_routed_experts=True)``): the
 request also has ``"prompt_routed_experts"`` (``[prompt_len - start, num_moe_layers,
 topk]``, int16 or uint8, same array forms; the key present, even null, selects this
-layout) and optionally ``"routed_experts_prompt_start"`` (the request's
-``SamplingParams.routed_experts_prompt_start``, default 0); each completion's
-``routed_experts`` is ``[gen_len - 1, num_moe_layers, topk]``. A request without the
-``prompt_routed_experts`` key is read in the original layout above, whatever its
-arrays' shapes. ``--vllm-route-layers full`` reads split-layout arrays that keep
-every decoder layer.
+layout) and optionally ``"routed_experts_prompt_start"``; each completion's
+``routed_experts`` is ``[gen_len - 1, num_moe_layers, topk]`` (a build that keeps every
+decoder layer is told by the layer count).
 
-:func:`request_output_to_json` writes either form from a real ``RequestOutput``.
+:func:`request_output_to_json` writes any of these from a real ``RequestOutput``. A line
+may instead hold vLLM's ``/v1/completions`` response (0.33; request ``return_token_ids=True``,
+``logprobs`` 0 or more), told by its ``choices``: ``{"response": {"id", "choices": [{"index",
+"token_ids", "prompt_token_ids", "logprobs": {"token_logprobs": [...]}, "routed_experts":
+"<base64 .npy>", "finish_reason"}]}, "routed_experts_prompt_start": 0, "reward": [1.0]}``
+(``input_ids`` may replace ``prompt_token_ids``; ``reward`` one per choice).
 
 ``--engine sglang``: one prompt's ``/generate`` result (server
 ``--enable-return-routed-experts``, request ``return_logprob=True``,
@@ -112,6 +120,38 @@ response of its text-generation server, or one finished request as serialised::
   (``prompt_tokens``, ``generated_tokens``, ``generated_log_probs``, ``routing_indices``);
   ``reward`` is a number, or a list with one per choice.
 
+``--engine trtllm``: a TensorRT-LLM ``GenerationResult`` (``SamplingParams(return_routed_experts=True,
+logprobs=0)``) as :func:`generation_result_to_json` writes it::
+
+    {"request_id": 3, "prompt_token_ids": [...],
+     "outputs": [{"index": 0, "token_ids": [...], "logprobs": [-0.31, ...],
+                  "routed_experts": {"dtype": "int16", "shape": [T - 1, num_moe_layers, topk], "base64": "..."},
+                  "finish_reason": "stop", "reward": 1.0}]}
+
+* ``logprobs`` per generated token: a number, or vLLM-style ``{"<token id>": {"logprob": ...}}``;
+* ``routed_experts`` (``CompletionOutput.routed_experts``) in any array form above; a row of -1
+  is TensorRT-LLM's missing route (that token routes live).
+
+Every engine's line may also carry:
+
+* ``"retracted_at"``: the sample lengths (prompt plus tokens generated so far) at which the
+  engine retracted the request and later recomputed it. The engines return the
+  recomputing pass's routes with the first pass's log-probs and mark nothing, so a line
+  retracted after its first generated token is refused (miles #3277); the rollout loop
+  knows when it retracted (``pause_generation(mode="retract")``) and says so here;
+* ``"turns"``: instead of one request, the lines of one multi-turn rollout in order, each
+  in the engine's line format and giving one sample; every turn's tokens must start with
+  the previous turn's. They become one sample: the last turn's tokens, the loss on every
+  turn's completion, each token's log-prob and route from the turn that first ran it;
+  tokens a later turn routed differently are counted (``meta["rerouted_tokens"]``, and the
+  summary line). ``reward`` beside ``turns`` is the rollout's.
+
+MTP: with ``--mtp-num-layers N`` the model has N MTP MoE layers (numbered ``num-layers + k``).
+Megatron's engine returns their routes after the decoder's when it records them; the
+dump then covers them. The other engines capture the decoder only: their routes leave
+the MTP layers to the live router. A dump covers one set of layers: a line whose routes
+cover other layers than the first line's is refused.
+
 Progress goes to stderr every ``--log-interval`` samples (samples, tokens, the
 fraction of tokens with a route). Refused, with the input line, the request, the
 sample and the field named, and no traceback: a line that is not UTF-8 JSON, a
@@ -136,13 +176,24 @@ from typing import Any, Iterator, Optional, TextIO
 
 import numpy as np
 
-from megatron_r3.dataplane.engines.engine_samples import megatron_sample, sglang_openai_sample, sglang_samples, vllm_samples
+from megatron_r3.dataplane.engines.adapters import route_array
+from megatron_r3.dataplane.engines.engine_samples import (
+    megatron_sample,
+    sglang_openai_sample,
+    sglang_samples,
+    trtllm_samples,
+    vllm_openai_samples,
+    vllm_samples,
+)
+from megatron_r3.dataplane.engines.multi_turn import merge_turns
 from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.formats.jsonl import json_line
 from megatron_r3.dataplane.formats.output_files import atomic_output
+from megatron_r3.dataplane.route_checks import RoutingValidationError
+from megatron_r3.dataplane.sample_checks import loss_number
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
-from megatron_r3.layers.moe_layers import model_moe_layers, parse_moe_layer_freq
+from megatron_r3.layers.moe_layers import model_moe_layers, mtp_moe_layers, parse_moe_layer_freq
 
 
 class InputLineError(ValueError):
@@ -182,62 +233,106 @@ def request_output_to_json(request_output: Any, rewards: Optional[list] = None) 
     return out
 
 
-def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
-                      route_layers: str = "moe") -> list[RolloutSample]:
-    """The samples of one ``--engine vllm`` line (a parsed JSON object), in either vLLM layout."""
+def generation_result_to_json(result: Any, rewards: Optional[list] = None) -> dict:
+    """A TensorRT-LLM ``GenerationResult`` as one line of ``--engine trtllm`` input (``json.dumps`` it).
+
+    Args:
+        result: The ``GenerationResult`` (``prompt_token_ids``, ``id``, ``outputs``).
+        rewards: Optional reward per completion, in ``outputs`` order.
+    """
+    outputs = []
+    for i, completion in enumerate(result.outputs):
+        routed = getattr(completion, "routed_experts", None)
+        if routed is None:
+            routed = (getattr(completion, "additional_generation_outputs", None) or {}).get("routed_experts")
+        logprobs = completion.logprobs
+        out = {
+            "index": completion.index,
+            "token_ids": [int(t) for t in completion.token_ids],
+            "logprobs": None if logprobs is None else [
+                _positions_json(p) if isinstance(p, dict) else float(p) for p in logprobs],
+            "routed_experts": None if routed is None else _array_json(routed),
+            "finish_reason": completion.finish_reason,
+        }
+        if rewards is not None:
+            out["reward"] = rewards[i]
+        outputs.append(out)
+    return {"request_id": getattr(result, "request_id", getattr(result, "id", None)),
+            "prompt_token_ids": [int(t) for t in result.prompt_token_ids], "outputs": outputs}
+
+
+def vllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
+    """The samples of one ``--engine vllm`` line (a parsed JSON object): a ``RequestOutput`` in any of
+    vLLM's layouts, or a ``/v1/completions`` response."""
+    prompt_start = _line_int(record, "routed_experts_prompt_start", "vLLM line")
+    retracted_at = _retracted_at(record)
+    response = record.get("response")
+    if isinstance(response, dict) and "choices" in response:  # /v1/completions, told by its field
+        reward = record.get("reward")
+        return vllm_openai_samples(response, record.get("input_ids"), spec,
+                                   rewards=None if reward is None else reward if isinstance(reward, list) else [reward],
+                                   vocab_size=vocab_size, prompt_start=prompt_start, retracted_at=retracted_at)
+    request, rewards = _request(record, "vLLM request")
+    if "prompt_routed_experts" in record:  # vLLM's split layout, told by the field, not by shapes
+        request.prompt_routed_experts = _array(record["prompt_routed_experts"], "prompt_routed_experts")
+    return vllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size, prompt_start=prompt_start,
+                        retracted_at=retracted_at)
+
+
+def trtllm_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
+    """The samples of one ``--engine trtllm`` line (a parsed JSON object)."""
+    request, rewards = _request(record, "TensorRT-LLM result")
+    return trtllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size, retracted_at=_retracted_at(record))
+
+
+def _request(record: dict, what: str) -> tuple[SimpleNamespace, list]:
+    """A request line's ``request_id``, ``prompt_token_ids``, ``prompt_logprobs`` and ``outputs`` as the engine's
+    objects, and the reward of each output."""
     request = SimpleNamespace(
         request_id=record.get("request_id"),
-        prompt_token_ids=_field(record, "prompt_token_ids", "vLLM request", list),
-        prompt_logprobs=_positions(_field(record, "prompt_logprobs", "vLLM request", list, required=False),
+        prompt_token_ids=_field(record, "prompt_token_ids", what, list),
+        prompt_logprobs=_positions(_field(record, "prompt_logprobs", what, list, required=False),
                                    "prompt_logprobs"),
         outputs=[],
     )
     rewards = []
-    for position, out in enumerate(_field(record, "outputs", "vLLM request", list)):
-        where = f"vLLM request {request.request_id!r} outputs[{position}]"
+    for position, out in enumerate(_field(record, "outputs", what, list)):
+        where = f"{what} {request.request_id!r} outputs[{position}]"
         if not isinstance(out, dict):
             raise InputLineError(f"{where} must be a JSON object, got {_json_type(out)}")
         index = out.get("index", position)
         if isinstance(index, bool) or not isinstance(index, int):
             raise InputLineError(f"{where}.index must be an integer, got {_json_type(index)}")
+        logprobs = _field(out, "logprobs", where, list, required=False)
+        if logprobs and not isinstance(logprobs[0], (int, float)):  # per position {token_id: Logprob}
+            logprobs = _positions(logprobs, f"{where}.logprobs")
         request.outputs.append(SimpleNamespace(
             index=index,
             token_ids=_field(out, "token_ids", where, list),
-            logprobs=_positions(_field(out, "logprobs", where, list, required=False), f"{where}.logprobs"),
+            logprobs=logprobs,
             routed_experts=_array(out.get("routed_experts"), f"{where}.routed_experts"),
             finish_reason=out.get("finish_reason"),
         ))
         rewards.append(out.get("reward"))
-    prompt_start = 0
-    if "prompt_routed_experts" in record:  # vLLM's split layout, told by the field, not by shapes
-        request.prompt_routed_experts = _array(record["prompt_routed_experts"], "prompt_routed_experts")
-        prompt_start = record.get("routed_experts_prompt_start", 0)
-        if isinstance(prompt_start, bool) or not isinstance(prompt_start, int):
-            raise InputLineError(f"vLLM request {request.request_id!r}: 'routed_experts_prompt_start' must be an "
-                                 f"integer, got {_json_type(prompt_start)}")
-    return vllm_samples(request, spec, rewards=rewards, vocab_size=vocab_size, prompt_start=prompt_start,
-                        route_layers=route_layers)
+    return request, rewards
 
 
-def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
-                        route_layers: str = "moe") -> list[RolloutSample]:
+def sglang_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
     """The samples of one ``--engine sglang`` line (a parsed JSON object): ``/generate`` or ``/v1/completions``."""
     response = _field(record, "response", "SGLang line", (dict, list))
-    start_len = record.get("routed_experts_start_len", 0)
-    if isinstance(start_len, bool) or not isinstance(start_len, int):
-        raise InputLineError(f"SGLang line: 'routed_experts_start_len' must be an integer, got {_json_type(start_len)}")
+    start_len = _line_int(record, "routed_experts_start_len", "SGLang line")
+    retracted_at = _retracted_at(record)
     reward = record.get("reward")
     if isinstance(response, dict) and "choices" in response:  # /v1/completions, told by its field
         return [sglang_openai_sample(response, record.get("input_ids"), spec, reward=reward, vocab_size=vocab_size,
-                                     start_len=start_len)]
+                                     start_len=start_len, retracted_at=retracted_at)]
     responses = response if isinstance(response, list) else [response]
     rewards = None if reward is None else (reward if isinstance(reward, list) else [reward])
     return sglang_samples(responses, record.get("input_ids"), spec, rewards=rewards, vocab_size=vocab_size,
-                          start_len=start_len)
+                          start_len=start_len, retracted_at=retracted_at)
 
 
-def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None,
-                          route_layers: str = "moe") -> list[RolloutSample]:
+def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[int] = None) -> list[RolloutSample]:
     """The samples of one ``--engine megatron`` line (a parsed JSON object)."""
     response = _field(record, "response", "Megatron line", dict)
     if "choices" in response:
@@ -250,6 +345,7 @@ def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[
     rewards = reward if isinstance(reward, list) else [reward] * len(choices)
     if len(rewards) != len(choices):
         raise InputLineError(f"{len(rewards)} rewards for {len(choices)} Megatron choices")
+    retracted_at = _retracted_at(record)
     samples = []
     for position, (choice, choice_reward) in enumerate(zip(choices, rewards)):
         if not isinstance(choice, dict):
@@ -260,16 +356,42 @@ def megatron_line_samples(record: dict, spec: RoutingSpec, vocab_size: Optional[
         if isinstance(index, bool) or not isinstance(index, int):
             raise InputLineError(f"Megatron choices[{position}].index must be an integer, got {_json_type(index)}")
         samples.append(megatron_sample(choice, spec, reward=choice_reward, completion_index=index,
-                                       vocab_size=vocab_size))
+                                       vocab_size=vocab_size, retracted_at=retracted_at))
     return samples
 
 
-LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples, "megatron": megatron_line_samples}
+LINE_READERS = {"vllm": vllm_line_samples, "sglang": sglang_line_samples, "trtllm": trtllm_line_samples,
+                "megatron": megatron_line_samples}
+
+
+def line_samples(record: dict, engine: str, spec: RoutingSpec, vocab_size: Optional[int] = None) -> tuple[list, int]:
+    """The samples of one line, and how many of their tokens a later turn re-routed (a ``turns`` line)."""
+    read_line = LINE_READERS[engine]
+    if "turns" not in record:
+        return read_line(record, spec, vocab_size), 0
+    turns = _field(record, "turns", "multi-turn line", list)
+    samples = []
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise InputLineError(f"turns[{k}] must be a JSON object, got {_json_type(turn)}")
+        try:
+            got = read_line(turn, spec, vocab_size)
+        except ValueError as error:
+            raise InputLineError(f"turns[{k}]: {error}") from error
+        if len(got) != 1:
+            raise InputLineError(f"turns[{k}] gives {len(got)} samples; a turn of a rollout is one completion")
+        samples.append(got[0])
+    request_id = samples[0].meta.get("request_id") if samples else None
+    where = f"request {request_id!r} ({len(samples)} turns)"
+    merged = merge_turns(samples, where)
+    if record.get("reward") is not None:
+        merged.sample.meta["reward"] = loss_number(record["reward"], where, "reward")
+    return [merged.sample], merged.rerouted_tokens
 
 
 def dump_jsonl(
     input_path: str, out_path: str, engine: str, spec: RoutingSpec, *, vocab_size: Optional[int] = None,
-    overwrite: bool = False, log_interval: int = 1000, log: TextIO = sys.stderr, route_layers: str = "moe",
+    overwrite: bool = False, log_interval: int = 1000, log: TextIO = sys.stderr,
 ) -> dict:
     """Converts a JSONL file into a rollout dump; returns counts.
 
@@ -280,11 +402,11 @@ def dump_jsonl(
     Args:
         vocab_size: The model's vocabulary: token ids outside it are refused (None: ids below 2**31).
         overwrite: Replace an existing ``out_path`` (refused by default).
-        route_layers: vLLM's split layout: ``"moe"`` (one row per MoE layer) or ``"full"``.
 
     Returns:
-        ``{"requests", "samples", "tokens", "routed_tokens", "repeated"}`` (``repeated``: samples whose
-        request id and completion index an earlier one had; a warning names the first).
+        ``{"requests", "samples", "tokens", "routed_tokens", "rerouted_tokens", "repeated"}`` (``rerouted_tokens``:
+        tokens of multi-turn lines a later turn routed differently; ``repeated``: samples whose request id and
+        completion index an earlier one had; a warning names the first).
 
     Raises:
         InputLineError: a line that cannot be read or does not fit the model, naming
@@ -292,17 +414,26 @@ def dump_jsonl(
             without samples.
         OutputFileError: ``out_path`` is ``input_path``, or exists without ``overwrite``.
     """
-    read_line = LINE_READERS[engine]
-    counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0}
+    counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0, "rerouted_tokens": 0}
     first_line: dict = {}  # (request id, completion index) -> the line that gave it
     repeats: list = []
+    writer = None
     with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
-        with RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
-                               layer_numbers=spec.model_moe_layers) as writer:
+        try:
             for number, record in _records(input_path):
                 try:
-                    samples = read_line(record, spec, vocab_size, route_layers)
+                    samples, rerouted = line_samples(record, engine, spec, vocab_size)
                     for sample in samples:
+                        # The first line's routes set the dump's layers (with or without the MTP block's).
+                        if writer is None:
+                            writer = RolloutDumpWriter(partial, num_experts=spec.num_experts, topk=spec.topk,
+                                                       layer_numbers=sample.routes.layer_numbers)
+                        if sample.routes.layer_numbers != writer.layer_numbers:
+                            raise RoutingValidationError(
+                                f"request {sample.meta.get('request_id')!r} sample "
+                                f"{sample.meta.get('completion_index')}: routes cover MoE layers "
+                                f"{list(sample.routes.layer_numbers)}, earlier lines' {list(writer.layer_numbers)}: "
+                                f"a dump holds one set (the engine returned MTP routes for some lines only?)")
                         writer.write(sample)
                 except ValueError as error:
                     raise InputLineError(f"{input_path} line {number}: {error}") from error
@@ -311,6 +442,7 @@ def dump_jsonl(
                         f"{input_path} line {number}: malformed record ({type(error).__name__}: {error})"
                     ) from error
                 counts["requests"] += 1
+                counts["rerouted_tokens"] += rerouted
                 for sample in samples:
                     key = (json.dumps(sample.meta["request_id"]), sample.meta["completion_index"])
                     if key in first_line:
@@ -323,6 +455,9 @@ def dump_jsonl(
                         print(f"dump_rollouts: {_summary(counts)}", file=log, flush=True)
             if counts["samples"] == 0:
                 raise InputLineError(f"{input_path} holds no request: a dump without samples trains nothing")
+        finally:
+            if writer is not None:
+                writer.close()
     if repeats:
         shown = ", ".join(f"request {rid} completion {index} (lines {was} and {now})"
                           for (rid, index), was, now in repeats[:3])
@@ -335,8 +470,9 @@ def dump_jsonl(
 
 def _summary(counts: dict) -> str:
     routed = counts["routed_tokens"] / max(counts["tokens"], 1)
+    rerouted = f", {counts['rerouted_tokens']} tokens re-routed by a later turn" if counts["rerouted_tokens"] else ""
     return (f"{counts['samples']} samples from {counts['requests']} requests, {counts['tokens']} tokens, "
-            f"routed fraction {routed:.4f}")
+            f"routed fraction {routed:.4f}{rerouted}")
 
 
 def _records(path: str) -> Iterator[tuple[int, dict]]:
@@ -401,25 +537,29 @@ def _positions_json(position: Optional[dict]) -> Optional[dict]:
 
 
 def _array(value: Any, what: str) -> Optional[np.ndarray]:
-    """A JSON integer array: ``{"dtype", "shape", "base64"}`` (little-endian) or nested lists."""
+    """A JSON route array in any form the engines' adapters read (:func:`route_array`); null: None."""
     if value is None:
         return None
     try:
-        if isinstance(value, list):
-            array = np.asarray(value)
-        elif isinstance(value, dict):
-            dtype = np.dtype(value["dtype"]).newbyteorder("<")
-            flat = np.frombuffer(base64.b64decode(value["base64"], validate=True), dtype=dtype)
-            array = flat.reshape(value["shape"])
-        else:
-            raise TypeError(f"got {_json_type(value)}")
-    except (KeyError, TypeError, ValueError, OverflowError) as error:  # binascii.Error is a ValueError
-        raise InputLineError(
-            f"{what} must be nested lists or {{\"dtype\", \"shape\", \"base64\"}} ({type(error).__name__}: {error})"
-        ) from None
-    if array.dtype.kind not in "iu":
-        raise InputLineError(f"{what} must hold integer expert ids, got dtype {array.dtype}")
-    return array
+        return route_array(value, what)
+    except RoutingValidationError as error:
+        raise InputLineError(str(error)) from None
+
+
+def _line_int(record: dict, key: str, what: str) -> int:
+    """An optional integer of the line (default 0)."""
+    value = record.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputLineError(f"{what}: {key!r} must be an integer, got {_json_type(value)}")
+    return value
+
+
+def _retracted_at(record: dict) -> Optional[list]:
+    """The line's ``retracted_at``: sample lengths at which the engine retracted the request."""
+    value = _field(record, "retracted_at", "line", list, required=False)
+    if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InputLineError(f"line: 'retracted_at' must be an array of integers, got {json.dumps(value)[:100]}")
+    return value
 
 
 def _array_json(array: Any) -> dict:
@@ -432,33 +572,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=sorted(LINE_READERS), required=True)
     parser.add_argument("--input", required=True,
-                        help="JSONL file, one request (vllm), prompt (sglang) or response (megatron) a line")
+                        help="JSONL file, one request (vllm, trtllm), prompt (sglang) or response (megatron) a line")
     parser.add_argument("--out", required=True, help="the rollout dump to write (not the input; see --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--num-layers", type=int, required=True, help="decoder layers of the model")
     parser.add_argument("--moe-layer-freq", default="1", help="an int, or one 0/1 per layer, comma-separated")
     parser.add_argument("--num-experts", type=int, required=True)
     parser.add_argument("--moe-router-topk", type=int, required=True)
+    parser.add_argument("--mtp-num-layers", type=int, default=None,
+                        help="MTP depths of the model (MoE when its last decoder layer is): routes may cover them")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="refuse token ids outside [0, vocab-size) (default: only ids >= 2**31)")
-    parser.add_argument("--vllm-route-layers", choices=("moe", "full"), default="moe",
-                        help="vLLM's split layout: one route row per MoE layer (vLLM's default) or per decoder layer")
     parser.add_argument("--log-interval", type=int, default=1000, help="progress every this many samples (0: off)")
     args = parser.parse_args(argv)
     if args.vocab_size is not None and args.vocab_size < 1:
         parser.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.log_interval < 0:
         parser.error(f"--log-interval must be >= 0, got {args.log_interval}")
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
+        parser.error(f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}")
     try:
         moe_layers = model_moe_layers(args.num_layers, parse_moe_layer_freq(args.moe_layer_freq))
         spec = RoutingSpec(num_layers=args.num_layers, model_moe_layers=moe_layers, num_experts=args.num_experts,
-                           topk=args.moe_router_topk)
+                           topk=args.moe_router_topk,
+                           mtp_moe_layers=mtp_moe_layers(args.num_layers, moe_layers, args.mtp_num_layers))
     except ValueError as error:
         parser.error(str(error))
     try:
         counts = dump_jsonl(args.input, args.out, args.engine, spec, vocab_size=args.vocab_size,
-                            overwrite=args.overwrite, log_interval=args.log_interval, log=sys.stderr,
-                            route_layers=args.vllm_route_layers)
+                            overwrite=args.overwrite, log_interval=args.log_interval, log=sys.stderr)
     except (ValueError, OSError) as error:  # InputLineError, OutputFileError, an unreadable input
         print(f"dump_rollouts: error: {error}", file=sys.stderr)
         return 1

@@ -14,7 +14,16 @@ import numpy as np
 
 
 class RoutingValidationError(ValueError):
-    """Routing data that does not fit the model or the sample."""
+    """Routing data that does not fit the model or the sample.
+
+    Attributes:
+        token: The sample's token the message names first, when it names one (lets a caller
+            that assembled the sample from several fields name the field that token came from).
+    """
+
+    def __init__(self, message: str, token: Optional[int] = None):
+        super().__init__(message)
+        self.token = token
 
 
 # A router's top-k never names an expert twice, so such a row was not written by a router.
@@ -25,14 +34,15 @@ REPEATED_CAUSE = (
 )
 
 
-def _where(sample: Optional[int]) -> str:
+def sample_prefix(sample: Optional[int]) -> str:
+    """``"sample <n>: "`` for messages, or nothing when the sample is not known."""
     return "" if sample is None else f"sample {sample}: "
 
 
 def check_integer_dtype(ids: np.ndarray, sample: Optional[int] = None) -> None:
     """Routes must be integers: a float array is a caller bug, not something to round."""
     if not np.issubdtype(ids.dtype, np.integer):
-        raise RoutingValidationError(f"{_where(sample)}expert ids must be integers, got dtype {ids.dtype}")
+        raise RoutingValidationError(f"{sample_prefix(sample)}expert ids must be integers, got dtype {ids.dtype}")
 
 
 def validate_routes(
@@ -60,7 +70,7 @@ def validate_routes(
         RoutingValidationError: wrong dtype, rank, layer count, token count or
             top-k; an id outside ``[0, num_experts)``; a repeated id in one row.
     """
-    where = _where(sample)
+    where = sample_prefix(sample)
     check_integer_dtype(ids, sample)
     if ids.ndim != 3:
         raise RoutingValidationError(f"{where}routes must be [tokens, layers, topk], got shape {ids.shape}")
@@ -106,8 +116,9 @@ def token_validity(
         token = int(np.argmax(partial))
         layer = int(np.argmin(present[token]))
         raise RoutingValidationError(
-            f"{_where(sample)}token {token}, layer {layer_numbers[layer]}: {what}; a token replays at every "
-            f"MoE layer or at none ({int(partial.sum())} partial tokens in total)"
+            f"{sample_prefix(sample)}token {token}, layer {layer_numbers[layer]}: {what}; a token replays at every "
+            f"MoE layer or at none ({int(partial.sum())} partial tokens in total)",
+            token=token,
         )
     return valid
 
@@ -133,5 +144,6 @@ def _raise_first(bad: np.ndarray, ids: np.ndarray, layer_numbers: Sequence[int],
     token, layer = np.argwhere(bad)[0]
     raise RoutingValidationError(
         f"{where}token {token}, layer {layer_numbers[layer]}: {what}: {ids[token, layer].tolist()} "
-        f"({int(bad.sum())} bad rows in total){cause}"
+        f"({int(bad.sum())} bad rows in total){cause}",
+        token=int(token),
     )

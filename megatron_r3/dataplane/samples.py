@@ -15,7 +15,7 @@ from typing import Any, Optional
 import numpy as np
 
 from megatron_r3.dataplane.routes import RolloutRoutes
-from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers
+from megatron_r3.layers.moe_layers import hybrid_moe_layers, model_moe_layers, mtp_moe_layers
 
 
 @dataclass
@@ -52,12 +52,17 @@ class RoutingSpec:
         model_moe_layers: The model's MoE layers: global 1-based layer numbers, increasing.
         num_experts: Routed experts per MoE layer.
         topk: Experts per token.
+        mtp_moe_layers: The MoE layers of the model's multi-token-prediction block, numbered after
+            the decoder's (``num_layers + k`` for GPTModel's depth k; docs/routing_replay.md), increasing;
+            empty for a model without MTP MoE layers. Routes may cover them when the engine
+            returned them; without such routes they route live.
     """
 
     num_layers: int
     model_moe_layers: tuple[int, ...]
     num_experts: int
     topk: int
+    mtp_moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Named by the flags that set them (the launcher's and the tools'), before any route is read.
@@ -65,6 +70,15 @@ class RoutingSpec:
             raise ValueError(f"--num-experts must be >= 1, got {self.num_experts}")
         if not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"--moe-router-topk {self.topk} must lie in [1, --num-experts {self.num_experts}]")
+        mtp = tuple(self.mtp_moe_layers)
+        if any(n <= self.num_layers for n in mtp) or any(b <= a for a, b in zip(mtp, mtp[1:])):
+            raise ValueError(f"MTP MoE layers {mtp} must be increasing and numbered after the {self.num_layers} "
+                             f"decoder layers")
+
+    @property
+    def routed_layers(self) -> tuple[int, ...]:
+        """Every MoE layer routes may cover: the decoder's, then the MTP block's."""
+        return tuple(self.model_moe_layers) + tuple(self.mtp_moe_layers)
 
     @classmethod
     def from_config(cls, config: Any, hybrid_layer_pattern: Optional[str] = None) -> "RoutingSpec":
@@ -80,4 +94,6 @@ class RoutingSpec:
             model_moe_layers=moe_layers,
             num_experts=config.num_moe_experts,
             topk=config.moe_router_topk,
+            mtp_moe_layers=mtp_moe_layers(config.num_layers, moe_layers, getattr(config, "mtp_num_layers", None),
+                                          hybrid_layer_pattern),
         )

@@ -64,6 +64,27 @@ def hybrid_moe_layers(hybrid_layer_pattern: str) -> tuple[int, ...]:
     return tuple(i + 1 for i, symbol in enumerate(main) if symbol == Symbols.MOE)
 
 
+def mtp_moe_layers(
+    num_layers: int, moe_layers: Sequence[int], mtp_num_layers: Optional[int] = None,
+    hybrid_layer_pattern: Optional[str] = None,
+) -> tuple[int, ...]:
+    """The MoE layers of a model's MTP block, numbered as the routes number them (docs/routing_replay.md).
+
+    GPTModel: depth k is layer ``num_layers + k``, built from the last decoder layer's spec
+    (Megatron's ``gpt_builders``), so it is MoE when that layer is. HybridModel: layer j of depth
+    k (the pattern after each ``/``) is ``num_layers + (k - 1) * len(depth) + j``, MoE where its
+    symbol is ``E``.
+    """
+    if hybrid_layer_pattern is not None:
+        main, *depths = hybrid_layer_pattern.split("/")
+        depths = [d for d in depths if d]
+        return tuple(num_layers + k * len(depth) + j + 1
+                     for k, depth in enumerate(depths) for j, symbol in enumerate(depth) if symbol == "E")
+    if not mtp_num_layers or num_layers not in set(moe_layers):
+        return ()
+    return tuple(num_layers + k for k in range(1, mtp_num_layers + 1))
+
+
 def chunk_layers(
     config: TransformerConfig,
     pp_rank: Optional[int] = None,

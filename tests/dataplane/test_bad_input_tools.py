@@ -126,9 +126,9 @@ MALFORMED_LINES = [
     ("empty completion", "vllm", _vllm(lambda r: r["outputs"][0].update(token_ids=[], logprobs=[])), [],
      r"line 1: request 'q' sample 0: the completion has no tokens \(token_ids is empty\)"),
     ("bad base64 routes", "vllm", _vllm(_set(["outputs", 0, "routed_experts", "base64"], "not base64!")), [],
-     r"line 1: vLLM request 'q' outputs\[0\]\.routed_experts must be nested lists or .*Error"),
+     r"line 1: vLLM request 'q' outputs\[0\]\.routed_experts must be an integer array, nested lists.*Error"),
     ("float routes", "vllm", _vllm(_set(["outputs", 0, "routed_experts"], [[[0.5, 1.0]] * 4] * 6)), [],
-     r"line 1: vLLM request 'q' outputs\[0\]\.routed_experts must hold integer expert ids, got dtype float64"),
+     r"line 1: vLLM request 'q' outputs\[0\]\.routed_experts: expert ids must be integers, got dtype float64"),
     ("a line that is an array", "vllm", lambda: [1, 2], [], r"line 1: a JSON object is expected, got an array"),
     ("sglang routes of 3 layers", "sglang", lambda: _sglang_routes(lambda rows: rows[:, :3]), [],
      r"line 1: request 's' sample 0: SGLang meta_info\['routed_experts'\] holds 48 int32 values; this sample "

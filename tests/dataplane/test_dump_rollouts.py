@@ -189,12 +189,12 @@ def _drop_chosen_logprob(request):
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (_rows(lambda r: r[:, :3]), "request 'r7' sample 1: routes have 3 layers, the model has 4 decoder layers"),
+    (_rows(lambda r: r[:, :3]), "request 'r7' sample 1: routed_experts has 3 layers, the model has 4 decoder layers"),
     (_rows(lambda r: np.concatenate([r, r[:, :, :1] + 5], axis=2)),
-     "request 'r7' sample 1: vLLM routes have top-k 3, the model routes to top-2"),
-    (_rows(lambda r: r[:-1]), "request 'r7' sample 1: vLLM routes cover 10 tokens; a sample of 12 tokens must have 11"),
+     "request 'r7' sample 1: routed_experts: vLLM routes have top-k 3, the model routes to top-2"),
+    (_rows(lambda r: r[:-1]), "request 'r7' sample 1: routed_experts: vLLM routes cover 10 tokens; a sample of 12 tokens must have 11"),
     (_rows(lambda r: None), "request 'r7' sample 1: vLLM returned no routed_experts"),
-    (_rows(lambda r: _with(r, (3, 0, 1), 7)), "request 'r7' sample 1: token 3, layer 1: dense layer holds routes"),
+    (_rows(lambda r: _with(r, (3, 0, 1), 7)), "request 'r7' sample 1: routed_experts: token 3, layer 1: dense layer holds routes"),
     (_set_logprobs_none, "request 'r7' sample 1: vLLM returned no logprobs"),
     (_drop_chosen_logprob, "request 'r7' sample 1: logprobs\\[2\\] has no entry for token"),
 ])

@@ -1,4 +1,4 @@
-"""Rollout samples from what the engines return (vLLM, SGLang, Megatron): tokens, loss mask, log-probs, routes.
+"""Rollout samples from what the engines return (vLLM, SGLang, TensorRT-LLM, Megatron): tokens, loss mask, log-probs, routes.
 
 An RL loop that runs the rollout engine in-process hands the engine's own
 objects to these functions and writes the result with
@@ -29,12 +29,22 @@ so real vLLM objects, SGLang response dicts and look-alikes all work:
   first choice's ``token_ids``, ``prompt_token_ids`` and ``logprobs.token_logprobs``, and
   the response's ``sglext`` (:func:`sglang_openai_sample`).
 
+* vLLM's ``/v1/completions`` (0.33; request ``return_token_ids=True``, ``logprobs`` 0 or
+  more): one sample per choice, each with its own ``routed_experts`` (base64 ``.npy``)
+  (:func:`vllm_openai_samples`).
+* TensorRT-LLM (``LlmArgs.enable_return_routed_experts``, ``SamplingParams(return_routed_experts=True,
+  logprobs=0)``): a ``GenerationResult`` (:func:`trtllm_samples`).
 * Megatron's inference engine (0.19): a finished ``DynamicInferenceRequest`` or a
   choice of its ``/v1/completions`` response (:func:`megatron_sample`).
 
 vLLM's split layout (``RequestOutput.prompt_routed_experts`` plus per completion
-``routed_experts``) is recognised by the request's ``prompt_routed_experts``
-attribute; a request without it is read in the original layout.
+``routed_experts``, 0.21-0.32) is recognised by the request's ``prompt_routed_experts``
+attribute; a request without it is vLLM 0.33's or the one before 0.21, told by the
+routes' dtype (:func:`~megatron_r3.dataplane.engines.adapters.from_vllm`).
+
+A request the engine retracted and recomputed after it had sampled tokens returns
+routes and log-probs of different passes; nothing in what it returns says so, so the
+caller passes ``retracted_at`` and such a sample is refused (:func:`check_retractions`).
 
 One sample per completion (vLLM ``n > 1``: ``n`` samples): ``token_ids`` =
 prompt + completion, ``loss_mask`` 1 on the completion, ``logprobs[t]`` the
@@ -67,6 +77,7 @@ from megatron_r3.dataplane.engines.adapters import (
     from_megatron_inference,
     from_sglang,
     from_sglang_openai,
+    from_trtllm,
     from_vllm,
     from_vllm_split,
 )
@@ -78,14 +89,14 @@ from megatron_r3.dataplane.samples import RolloutSample
 
 def vllm_samples(
     request_output: Any, spec: RoutingSpec, *, rewards: Optional[Sequence[Optional[float]]] = None,
-    vocab_size: Optional[int] = None, prompt_start: int = 0, route_layers: str = "moe",
+    vocab_size: Optional[int] = None, prompt_start: int = 0, retracted_at: Optional[Sequence[int]] = None,
 ) -> list[RolloutSample]:
     """One sample per completion of a vLLM ``RequestOutput``.
 
     A request with a ``prompt_routed_experts`` attribute (vLLM's split layout, None or
     not) is read with :func:`~megatron_r3.dataplane.engines.adapters.from_vllm_split`; one
-    without it with :func:`~megatron_r3.dataplane.engines.adapters.from_vllm` (the original
-    layout).
+    without it with :func:`~megatron_r3.dataplane.engines.adapters.from_vllm` (vLLM 0.33, or
+    the int32 layout before 0.21, told by the dtype).
 
     Args:
         request_output: The ``RequestOutput`` (see the module docstring for the fields read).
@@ -93,8 +104,8 @@ def vllm_samples(
         rewards: Optional reward per completion, in ``request_output.outputs`` order
             (a None entry: no reward for that completion).
         vocab_size: The model's vocabulary, to refuse token ids outside it (None: ids below 2**31).
-        prompt_start: Split layout: the request's ``routed_experts_prompt_start``.
-        route_layers: Split layout: ``"moe"`` (one row per MoE layer) or ``"full"``.
+        prompt_start: The request's ``routed_experts_prompt_start``.
+        retracted_at: See :func:`check_retractions`.
 
     Returns:
         The samples, in ``outputs`` order.
@@ -127,13 +138,15 @@ def vllm_samples(
                 f"{where}: vLLM returned no logprobs (sample with SamplingParams(logprobs=0) or more)"
             )
         generated = _chosen_logprobs(completion.logprobs, token_ids, where, "logprobs", first=len(prompt))
+        check_retractions(retracted_at, len(prompt), len(prompt) + len(token_ids), where)
         with _named(request_id):
             if hasattr(request_output, "prompt_routed_experts"):
                 routes = from_vllm_split(request_output.prompt_routed_experts, completion.routed_experts, spec,
                                          prompt_len=len(prompt), completion_len=len(token_ids),
-                                         prompt_start=prompt_start, layers=route_layers, sample=index)
+                                         prompt_start=prompt_start, sample=index)
             else:
-                routes = from_vllm(completion, spec, num_tokens=len(prompt) + len(token_ids), sample=index)
+                routes = from_vllm(completion, spec, num_tokens=len(prompt) + len(token_ids),
+                                   prompt_start=prompt_start, sample=index)
         samples.append(_sample(
             prompt, token_ids, prompt_logprobs, generated, routes,
             _meta("vllm", request_id, index, getattr(completion, "finish_reason", None),
@@ -151,6 +164,7 @@ def sglang_sample(
     completion_index: int = 0,
     vocab_size: Optional[int] = None,
     start_len: int = 0,
+    retracted_at: Optional[Sequence[int]] = None,
 ) -> RolloutSample:
     """The sample of one SGLang ``/generate`` response (one completion).
 
@@ -163,6 +177,7 @@ def sglang_sample(
         completion_index: Which of the request's ``n`` completions this is (for ``meta``).
         vocab_size: The model's vocabulary, to refuse token ids outside it (None: ids below 2**31).
         start_len: The request's ``routed_experts_start_len``: tokens before it have no route.
+        retracted_at: See :func:`check_retractions`.
 
     Raises:
         RoutingValidationError: as :func:`vllm_samples`, and prompt ids that do not
@@ -194,6 +209,7 @@ def sglang_sample(
     # Entries cover the prompt from logprob_start_len on, i.e. its last len(entries) tokens.
     start = len(prompt) - len(entries)
     prompt_logprobs[start:] = _sglang_logprobs(entries, prompt[start:], where, "input_token_logprobs", first=start)
+    check_retractions(retracted_at, len(prompt), len(prompt) + len(output_ids), where)
     with _named(request_id):
         routes = from_sglang(meta_info, spec, num_tokens=len(prompt) + len(output_ids), sample=completion_index,
                              start_len=start_len)
@@ -209,6 +225,7 @@ def sglang_samples(
     rewards: Optional[Sequence[float]] = None,
     vocab_size: Optional[int] = None,
     start_len: int = 0,
+    retracted_at: Optional[Sequence[int]] = None,
 ) -> list[RolloutSample]:
     """The samples of the ``n`` responses SGLang returns for one prompt (``sampling_params.n``).
 
@@ -219,6 +236,7 @@ def sglang_samples(
         rewards: Optional reward per response.
         vocab_size: The model's vocabulary (see :func:`sglang_sample`).
         start_len: The request's ``routed_experts_start_len``.
+        retracted_at: See :func:`check_retractions`.
     """
     if not responses:
         raise RoutingValidationError("no SGLang responses (the response list is empty)")
@@ -226,14 +244,14 @@ def sglang_samples(
         raise RoutingValidationError(f"{len(rewards)} rewards for {len(responses)} SGLang responses")
     return [
         sglang_sample(response, input_ids, spec, reward=None if rewards is None else rewards[i], completion_index=i,
-                      vocab_size=vocab_size, start_len=start_len)
+                      vocab_size=vocab_size, start_len=start_len, retracted_at=retracted_at)
         for i, response in enumerate(responses)
     ]
 
 
 def sglang_openai_sample(
     response: dict, input_ids: Optional[Sequence[int]], spec: RoutingSpec, *, reward: Optional[float] = None,
-    vocab_size: Optional[int] = None, start_len: int = 0,
+    vocab_size: Optional[int] = None, start_len: int = 0, retracted_at: Optional[Sequence[int]] = None,
 ) -> RolloutSample:
     """The sample of one SGLang ``/v1/completions`` response (``n=1``).
 
@@ -246,6 +264,7 @@ def sglang_openai_sample(
         reward: Optional reward of the completion.
         vocab_size: The model's vocabulary (see :func:`sglang_sample`).
         start_len: The request's ``routed_experts_start_len``.
+        retracted_at: See :func:`check_retractions`.
 
     ``token_logprobs`` holds one entry per completion token or, with ``echo``, one per
     prompt token first (the first of them null: 0).
@@ -255,18 +274,80 @@ def sglang_openai_sample(
             (``sglext`` holds the first one's routes only) and prompt ids that do not
             fit ``prompt_token_ids``.
     """
-    if not isinstance(response, dict):
-        raise RoutingValidationError(f"SGLang /v1/completions response must be a JSON object, got "
-                                     f"{type(response).__name__}")
-    request_id = response.get("id")
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise RoutingValidationError(f"request {request_id!r}: SGLang /v1/completions response has no choice object")
+    request_id, choices = _openai_choices(response, "SGLang")
     choice = choices[0]
     index = choice.get("index", 0)
     where = f"request {request_id!r} sample {index}"
+    prompt, completion, prompt_logprobs, generated = _openai_choice(choice, input_ids, where, vocab_size, "SGLang")
+    check_retractions(retracted_at, len(prompt), len(prompt) + len(completion), where)
+    with _named(request_id):
+        routes = from_sglang_openai(response, spec, num_tokens=len(prompt) + len(completion), sample=index,
+                                    start_len=start_len)
+    return _sample(prompt, completion, prompt_logprobs, generated, routes,
+                   _meta("sglang", request_id, index, choice.get("finish_reason"), reward, where))
+
+
+def vllm_openai_samples(
+    response: dict, input_ids: Optional[Sequence[int]], spec: RoutingSpec, *,
+    rewards: Optional[Sequence[Optional[float]]] = None, vocab_size: Optional[int] = None, prompt_start: int = 0,
+    retracted_at: Optional[Sequence[int]] = None,
+) -> list[RolloutSample]:
+    """One sample per choice of a vLLM ``/v1/completions`` response (request ``return_token_ids=True``,
+    ``logprobs`` 0 or more, ``routed_experts_prompt_start`` optional).
+
+    Each choice carries its own ``routed_experts``: base64 of a ``.npy`` array ``[num_tokens - 1 -
+    routed_experts_prompt_start, num_hidden_layers, topk]`` (vLLM 0.33), read by
+    :func:`~megatron_r3.dataplane.engines.adapters.from_vllm`; prompt ids, completion ids and
+    ``logprobs.token_logprobs`` as for :func:`sglang_openai_sample`.
+
+    Args:
+        response: The response dict as the server returns it.
+        input_ids: The request's prompt token ids; None: each choice's ``prompt_token_ids``.
+        spec: The trainer's model.
+        rewards: Optional reward per choice, in ``choices`` order.
+        vocab_size: The model's vocabulary (see :func:`sglang_sample`).
+        prompt_start: The request's ``routed_experts_prompt_start`` (vLLM does not echo it).
+        retracted_at: See :func:`check_retractions`.
+    """
+    request_id, choices = _openai_choices(response, "vLLM")
+    if rewards is not None and len(rewards) != len(choices):
+        raise RoutingValidationError(f"request {request_id!r}: {len(rewards)} rewards for {len(choices)} choices")
+    samples = []
+    for position, choice in enumerate(choices):
+        index = choice.get("index", position)
+        where = f"request {request_id!r} sample {index}"
+        prompt, completion, prompt_logprobs, generated = _openai_choice(choice, input_ids, where, vocab_size, "vLLM")
+        check_retractions(retracted_at, len(prompt), len(prompt) + len(completion), where)
+        if choice.get("routed_experts") is None:
+            raise RoutingValidationError(f"{where}: the vLLM choice has no routed_experts (server started with "
+                                         f"--enable-return-routed-experts?)")
+        with _named(request_id):
+            routes = from_vllm(choice["routed_experts"], spec, num_tokens=len(prompt) + len(completion),
+                               prompt_start=prompt_start, sample=index)
+        samples.append(_sample(prompt, completion, prompt_logprobs, generated, routes,
+                               _meta("vllm", request_id, index, choice.get("finish_reason"),
+                                     None if rewards is None else rewards[position], where)))
+    return samples
+
+
+def _openai_choices(response: Any, engine: str) -> tuple[Any, list]:
+    """An OpenAI ``/v1/completions`` response's id and its choices (at least one, each an object)."""
+    if not isinstance(response, dict):
+        raise RoutingValidationError(f"{engine} /v1/completions response must be a JSON object, got "
+                                     f"{type(response).__name__}")
+    request_id = response.get("id")
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
+        raise RoutingValidationError(f"request {request_id!r}: {engine} /v1/completions response has no choice "
+                                     f"object")
+    return request_id, choices
+
+
+def _openai_choice(choice: dict, input_ids: Optional[Sequence[int]], where: str, vocab_size: Optional[int],
+                   engine: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """An OpenAI completion choice's prompt ids, completion ids, prompt log-probs and completion log-probs."""
     if choice.get("token_ids") is None:
-        raise RoutingValidationError(f"{where}: the SGLang choice has no token_ids (request return_token_ids=True)")
+        raise RoutingValidationError(f"{where}: the {engine} choice has no token_ids (request return_token_ids=True)")
     completion = _completion_ids(choice["token_ids"], where, "token_ids", vocab_size)
     returned = choice.get("prompt_token_ids")
     if input_ids is None and returned is None:
@@ -281,8 +362,8 @@ def sglang_openai_sample(
     logprobs = choice.get("logprobs")
     entries = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
     if not isinstance(entries, list):
-        raise RoutingValidationError(f"{where}: the SGLang choice has no logprobs.token_logprobs (request logprobs=0 "
-                                     f"or more)")
+        raise RoutingValidationError(f"{where}: the {engine} choice has no logprobs.token_logprobs (request "
+                                     f"logprobs=0 or more)")
     prompt_logprobs = np.zeros(len(prompt), np.float32)
     field = "logprobs.token_logprobs"
     if len(entries) == len(prompt) + len(completion):  # echo: the prompt's entries come first
@@ -295,17 +376,101 @@ def sglang_openai_sample(
             f"{where}: {field} has {len(entries)} entries for {len(completion)} completion tokens "
             f"({len(prompt) + len(completion)} with echo)"
         )
-    generated = _number_logprobs(entries, len(completion), where, field, len(prompt))
-    with _named(request_id):
-        routes = from_sglang_openai(response, spec, num_tokens=len(prompt) + len(completion), sample=index,
-                                    start_len=start_len)
-    return _sample(prompt, completion, prompt_logprobs, generated, routes,
-                   _meta("sglang", request_id, index, choice.get("finish_reason"), reward, where))
+    return prompt, completion, prompt_logprobs, _number_logprobs(entries, len(completion), where, field, len(prompt))
+
+
+def trtllm_samples(
+    result: Any, spec: RoutingSpec, *, rewards: Optional[Sequence[Optional[float]]] = None,
+    vocab_size: Optional[int] = None, retracted_at: Optional[Sequence[int]] = None,
+) -> list[RolloutSample]:
+    """One sample per completion of a TensorRT-LLM ``GenerationResult`` (``LLM.generate`` with
+    ``SamplingParams(return_routed_experts=True, logprobs=0 or more)``).
+
+    Reads ``prompt_token_ids``, ``id`` (or ``request_id``) and ``outputs``: ``CompletionOutput``
+    with ``index``, ``token_ids``, ``logprobs`` (per generated token a ``{token_id: Logprob}``
+    dict, or a plain log-prob: TensorRT-LLM returns either), ``finish_reason`` and the routes
+    (:func:`~megatron_r3.dataplane.engines.adapters.from_trtllm`). Prompt log-probs are 0 (no loss
+    sees them).
+
+    Args:
+        result: The ``GenerationResult``.
+        spec: The trainer's model.
+        rewards: Optional reward per completion, in ``outputs`` order.
+        vocab_size: The model's vocabulary (see :func:`vllm_samples`).
+        retracted_at: See :func:`check_retractions`.
+    """
+    request_id = getattr(result, "request_id", getattr(result, "id", None))
+    outputs = list(result.outputs)
+    if not outputs:
+        raise RoutingValidationError(f"request {request_id!r}: no completions (outputs is empty)")
+    if rewards is not None and len(rewards) != len(outputs):
+        raise RoutingValidationError(f"request {request_id!r}: {len(rewards)} rewards for {len(outputs)} completions")
+    prompt = result.prompt_token_ids
+    if prompt is None or len(prompt) == 0:
+        raise RoutingValidationError(f"request {request_id!r}: no prompt_token_ids")
+    prompt = token_id_array(prompt, f"request {request_id!r}", "prompt_token_ids", vocab_size)
+    samples = []
+    for position, completion in enumerate(outputs):
+        index = getattr(completion, "index", position)
+        where = f"request {request_id!r} sample {index}"
+        token_ids = _completion_ids(completion.token_ids, where, "token_ids", vocab_size)
+        logprobs = completion.logprobs
+        if logprobs is None or len(logprobs) == 0:
+            raise RoutingValidationError(f"{where}: TensorRT-LLM returned no logprobs (sample with "
+                                         f"SamplingParams(logprobs=0) or more)")
+        if isinstance(logprobs[0], dict):
+            generated = _chosen_logprobs(logprobs, token_ids, where, "logprobs", first=len(prompt))
+        else:
+            generated = _number_logprobs(list(logprobs), len(token_ids), where, "logprobs", len(prompt))
+        check_retractions(retracted_at, len(prompt), len(prompt) + len(token_ids), where)
+        with _named(request_id):
+            routes = from_trtllm(completion, spec, num_tokens=len(prompt) + len(token_ids), sample=index)
+        samples.append(_sample(prompt, token_ids, np.zeros(len(prompt), np.float32), generated, routes,
+                               _meta("trtllm", request_id, index, getattr(completion, "finish_reason", None),
+                                     None if rewards is None else rewards[position], where)))
+    return samples
+
+
+def check_retractions(retracted_at: Optional[Sequence[int]], prompt_len: int, num_tokens: int, where: str) -> None:
+    """Refuses a sample whose routes and log-probs come from different forward passes.
+
+    An engine that retracts a running request frees its KV cache; when it schedules the
+    request again it recomputes every position so far in a new pass. No engine marks this
+    in what it returns, and the routes it returns for the recomputed positions are the new
+    pass's (SGLang: the host cache is re-written on re-prefill, sglang #39633 unmerged, miles
+    #3277; vLLM and Megatron likewise key routes by KV block; TensorRT-LLM keeps the first
+    pass's routes, but the tokens sampled after the retraction then read the recomputed KV).
+    The log-probs of the tokens sampled before the retraction stay the first pass's.
+    So the caller, which sees the retraction (its own ``pause_generation(mode="retract")``
+    around a weight update, or the engine's preemption events), passes ``retracted_at``:
+    the sample's length (prompt plus tokens generated so far) at each retraction. A
+    retraction after the first generated token is refused; one during the prompt is harmless.
+
+    Args:
+        retracted_at: Sample lengths at which the request was retracted; None or empty: never.
+        prompt_len, num_tokens: The sample's prompt and total token counts.
+        where: The request and sample, for messages.
+    """
+    if not retracted_at:
+        return
+    lengths = []
+    for length in retracted_at:
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 < length <= num_tokens:
+            raise RoutingValidationError(f"{where}: retracted_at entry {length!r} is not a sample length in "
+                                         f"[1, {num_tokens}]")
+        lengths.append(int(length))
+    late = [n for n in lengths if n > prompt_len]
+    if late:
+        raise RoutingValidationError(
+            f"{where}: retracted and recomputed after {late[-1] - prompt_len} generated tokens (retracted_at "
+            f"{lengths}): the engine returns the recomputing pass's routes for tokens 0..{late[-1] - 1}, but the "
+            f"log-probs of tokens {prompt_len}..{late[-1] - 1} are the sampling pass's (miles #3277); refused"
+        )
 
 
 def megatron_sample(
     record: Any, spec: RoutingSpec, *, reward: Optional[float] = None, completion_index: int = 0,
-    vocab_size: Optional[int] = None,
+    vocab_size: Optional[int] = None, retracted_at: Optional[Sequence[int]] = None,
 ) -> RolloutSample:
     """The sample of one request of Megatron's inference engine (0.19).
 
@@ -315,6 +480,7 @@ def megatron_sample(
     ``generation_token_ids``, ``generation_log_probs``, ``moe_topk_indices``,
     ``prompt_moe_topk_indices``). Log-probs: one per generated token (required);
     ``prompt_log_probs`` one per prompt token but the first, else the prompt's are 0.
+    ``retracted_at``: see :func:`check_retractions`.
 
     Raises:
         RoutingValidationError: as :func:`vllm_samples`.
@@ -343,6 +509,7 @@ def megatron_sample(
     prompt_given = get("prompt_log_probs")
     if prompt_given is not None and len(_as_list(prompt_given)):
         prompt_logprobs[1:] = _number_logprobs(_as_list(prompt_given), len(prompt) - 1, where, "prompt_log_probs", 1)
+    check_retractions(retracted_at, len(prompt), len(prompt) + len(completion), where)
     with _named(request_id):
         routes = from_megatron_inference(get("moe_topk_indices", "routing_indices"), spec,
                                          num_tokens=len(prompt) + len(completion),

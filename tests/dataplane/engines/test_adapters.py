@@ -61,7 +61,7 @@ def test_vllm_capture_gap_leaves_the_whole_token_to_the_live_router():
 
 def test_vllm_wrong_token_count_and_missing_output():
     rows = engine_rows(np.random.default_rng(1), 11)
-    with pytest.raises(RoutingValidationError, match="sample 5: vLLM routes cover 10 tokens; a sample of 12"):
+    with pytest.raises(RoutingValidationError, match="sample 5: routed_experts: vLLM routes cover 10 tokens; a sample of 12"):
         from_vllm(rows, SPEC, num_tokens=12, sample=5)
     with pytest.raises(RoutingValidationError, match="enable_return_routed_experts"):
         from_vllm(SimpleNamespace(routed_experts=None), SPEC, sample=0)
@@ -70,7 +70,7 @@ def test_vllm_wrong_token_count_and_missing_output():
 def test_vllm_dense_layer_with_routes_is_a_layout_error():
     rows = engine_rows(np.random.default_rng(2), 7)
     rows[4, 3, 0] = 9  # layer 4 is dense in the trainer's model
-    with pytest.raises(RoutingValidationError, match="sample 2: token 4, layer 4: dense layer holds routes"):
+    with pytest.raises(RoutingValidationError, match="sample 2: routed_experts: token 4, layer 4: dense layer holds routes"):
         from_vllm(rows, SPEC, sample=2)
 
 

@@ -179,16 +179,19 @@ def test_the_vllm_layout_is_told_by_the_field_not_the_shape():
         vllm_samples(request, SPEC)
 
 
-def test_full_layer_split_arrays_need_layers_full():
+def test_full_layer_split_arrays_are_told_by_their_layer_count():
+    """A build that keeps every decoder layer in the split layout is read by the length of its layer axis, no flag."""
     truth = make_truth(np.random.default_rng(4), 6, 5)
     request = vllm_split_request(truth, np.int16)
     full = lambda moe: np.insert(np.insert(moe, 0, 0, axis=1), 2, 0, axis=1)  # dense layers 1 and 3 as zero rows
     request.prompt_routed_experts = full(request.prompt_routed_experts)
     request.outputs[0].routed_experts = full(request.outputs[0].routed_experts)
-    with pytest.raises(RoutingValidationError, match="4 layers, the model has 2 MoE layers .*layers='full'"):
-        vllm_samples(request, SPEC)
-    (sample,) = vllm_samples(request, SPEC, route_layers="full")
+    (sample,) = vllm_samples(request, SPEC)
     np.testing.assert_array_equal(sample.routes.to_int64()[:-1], truth.routes)
+    request.outputs[0].routed_experts = request.outputs[0].routed_experts[:, :3]
+    with pytest.raises(RoutingValidationError, match="routed_experts has 3 layers, the model has 4 decoder layers, 2 "
+                                                     "of them MoE: vLLM returns one row per MoE layer"):
+        vllm_samples(request, SPEC)
 
 
 def _split(mutate_prompt=None, mutate_completion=None, **kwargs):
@@ -270,9 +273,9 @@ def _megatron_rows(row, value):
 REPEATED = "a top-k never repeats an expert.*FlashInfer's monolithic MoE.*vllm #54730"
 MALFORMED = [
     ("vllm split: zero-filled completion row", _split(mutate_completion=lambda r: _zeroed(r, 2)),
-     rf"request 'r7' sample 0: token 8, layer 2: repeated expert id in one token's row: \[0, 0\].*{REPEATED}"),
+     rf"request 'r7' sample 0: routed_experts: token 8, layer 2: repeated expert id in one token's row: \[0, 0\].*{REPEATED}"),
     ("vllm split: all-zero routes (FlashInfer monolithic)", _split(_zeroed, _zeroed),
-     rf"request 'r7' sample 0: token 0, layer 2: repeated expert id.*\(20 bad rows in total\); {REPEATED}"),
+     rf"request 'r7' sample 0: prompt_routed_experts: token 0, layer 2: repeated expert id.*\(20 bad rows in total\); {REPEATED}"),
     ("vllm split: no prompt routes", _split(mutate_prompt=lambda r: None),
      "request 'r7' sample 0: vLLM returned no prompt_routed_experts for a prompt of 6 tokens"),
     ("vllm split: no completion routes", _split(mutate_completion=lambda r: None),
@@ -282,9 +285,9 @@ MALFORMED = [
     ("vllm split: top-k", _split(mutate_completion=lambda r: r[:, :, :1]),
      "request 'r7' sample 0: vLLM routed_experts has top-k 1, the model routes to top-2"),
     ("vllm split: expert out of range", _split(mutate_prompt=lambda r: _with(r, (1, 1, 0), 16)),
-     r"request 'r7' sample 0: token 1, layer 4: expert id outside \[0, 16\)"),
+     r"request 'r7' sample 0: prompt_routed_experts: token 1, layer 4: expert id outside \[0, 16\)"),
     ("vllm split: float ids", _split(mutate_prompt=lambda r: r.astype(np.float32)),
-     "sample 0: expert ids must be integers, got dtype float32"),
+     "sample 0: prompt_routed_experts: expert ids must be integers, got dtype float32"),
     ("vllm split: prompt start beyond the prompt", _split(prompt_start=7),
      r"sample 0: routed_experts_prompt_start 7 is outside the prompt \[0, 6\]"),
     ("sglang: unknown dtype", _sglang(routed_experts_dtype="int8"),
@@ -299,13 +302,13 @@ MALFORMED = [
     ("sglang: start_len beyond the sample", _sglang(start_len=11),
      "routed_experts_start_len 11 is beyond the 10 routed tokens of a 11-token sample"),
     ("sglang: every row zero", _sglang_rows(lambda r: r * 0),
-     rf"sample 0: token 0, layer 2: every SGLang route row is all zeros \(10 tokens\).*{REPEATED}"),
+     rf"sample 0: SGLang meta_info\['routed_experts'\]: token 0, layer 2: every SGLang route row is all zeros \(10 tokens\).*{REPEATED}"),
     ("sglang: repeated expert", _sglang_rows(lambda r: _with(r, (4, 1), 5)),
-     rf"request 's3' sample 0: token 4, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
+     rf"request 's3' sample 0: SGLang meta_info\['routed_experts'\]: token 4, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
     ("vllm original: repeated expert", _vllm_rows(lambda r: _with(r, (3, 1), 5)),
-     rf"request 'r7' sample 0: token 3, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
+     rf"request 'r7' sample 0: routed_experts: token 3, layer 2: repeated expert id in one token's row: \[5, 5\].*{REPEATED}"),
     ("vllm original: every row zero", _vllm_rows(lambda r: r * 0),
-     rf"request 'r7' sample 0: token 0, layer 2: every vLLM route row is all zeros.*{REPEATED}"),
+     rf"request 'r7' sample 0: routed_experts: token 0, layer 2: every vLLM route row is all zeros.*{REPEATED}"),
     ("sglang openai: no sglext", _openai(lambda r: r.pop("sglext")),
      "request 'cmpl-s9' sample 0: the SGLang /v1/completions response has no sglext object"),
     ("sglang openai: unknown dtype", _openai(lambda r: r["sglext"].__setitem__("routed_experts_dtype", "int8")),
@@ -332,15 +335,17 @@ MALFORMED = [
     ("sglang openai: log-probs short", _openai(lambda r: r["choices"][0]["logprobs"]["token_logprobs"].pop()),
      r"logprobs.token_logprobs has 4 entries for 5 completion tokens \(11 with echo\)"),
     ("sglang openai: repeated expert", _openai(rows=lambda r: _with(r, (7, 3), 9)),
-     rf"request 'cmpl-s9' sample 0: token 7, layer 4: repeated expert id in one token's row: \[9, 9\].*{REPEATED}"),
+     rf"request 'cmpl-s9' sample 0: SGLang response sglext\['routed_experts'\]: token 7, layer 4: repeated expert id in one token's row: \[9, 9\].*{REPEATED}"),
     ("sglang openai: every row zero", _openai(rows=lambda r: r * 0),
-     rf"request 'cmpl-s9' sample 0: token 0, layer 2: every SGLang route row is all zeros.*{REPEATED}"),
+     rf"request 'cmpl-s9' sample 0: SGLang response sglext\['routed_experts'\]: token 0, layer 2: every SGLang route row is all zeros.*{REPEATED}"),
     ("megatron: zero-filled row", _megatron(moe_topk_indices=_megatron_rows(5, 0), prompt_moe_topk_indices=None),
-     rf"request 'm1' sample 0: token 5, layer 2: repeated expert id in one token's row: \[0, 0\].*{REPEATED}"),
+     rf"request 'm1' sample 0: moe_topk_indices: token 5, layer 2: repeated expert id in one token's row: \[0, 0\].*{REPEATED}"),
     ("megatron: rows for every token", _megatron(moe_topk_indices=lambda r: r + r[-1:], prompt_moe_topk_indices=None),
-     "request 'm1' sample 0: Megatron routes cover 11 tokens; a sample of 11 tokens must have 10"),
-    ("megatron: full layer axis", _megatron(moe_topk_indices=lambda r: [[row[0]] + row for row in r]),
-     r"Megatron routes have shape \(10, 3, 2\); the model needs \[tokens - 1, MoE layers, topk\] = \[10, 2, 2\]"),
+     "request 'm1' sample 0: moe_topk_indices: Megatron routes cover 11 tokens; a sample of 11 tokens must have 10"),
+    ("megatron: full layer axis", _megatron(moe_topk_indices=lambda r: [[row[0]] + row for row in r],
+                                            prompt_moe_topk_indices=None),
+     r"moe_topk_indices has 3 layers, the model has 4 decoder layers, 2 of them MoE: Megatron returns one row per "
+     r"MoE layer \(2\)"),
     ("megatron: prompt rows that disagree", _megatron(prompt_moe_topk_indices=lambda r: r[1:] + r[:1]),
      "prompt_moe_topk_indices .* is not the first 6 rows of moe_topk_indices"),
     ("megatron: no routes", _megatron(moe_topk_indices=None, routing_indices=None),
@@ -401,7 +406,7 @@ def test_megatron_in_process_request():
     np.testing.assert_array_equal(sample.routes.to_int64()[:-1], truth.routes)
     assert sample.meta == {"engine": "megatron", "request_id": 4, "completion_index": 0, "finish_reason": None,
                            "reward": 0.5}
-    with pytest.raises(RoutingValidationError, match="sample 2: Megatron routes cover 9 tokens"):
+    with pytest.raises(RoutingValidationError, match="sample 2: moe_topk_indices: Megatron routes cover 9 tokens"):
         from_megatron_inference(truth.routes[:-1], SPEC, num_tokens=11, sample=2)
 
 
@@ -471,8 +476,10 @@ def test_dump_tool_refuses_a_repeated_expert_in_every_format(name, tmp_path, cap
     assert main(["--engine", engine, "--input", str(source), "--out", str(tmp_path / "o.r3dump"),
                  *MODEL_FLAGS]) == 1
     err = capsys.readouterr().err
-    assert (f"dump_rollouts: error: {source} line 1: request {request} sample 0: token 7, layer 4: repeated expert "
-            f"id in one token's row: [5, 5]") in err
+    assert re.search(rf"dump_rollouts: error: {re.escape(str(source))} line 1: request {re.escape(request)} sample 0: "
+                     rf"[^:]*routed_experts[^:]*: token 7, layer 4: repeated expert id in one token's row: \[5, 5\]|"
+                     rf"dump_rollouts: error: {re.escape(str(source))} line 1: request {re.escape(request)} sample 0: "
+                     rf"moe_topk_indices: token 7, layer 4: repeated expert id in one token's row: \[5, 5\]", err), err
     assert "FlashInfer's monolithic MoE returned all-zero routes, vllm #54730" in err
     assert not (tmp_path / "o.r3dump").exists()
 
@@ -480,11 +487,12 @@ def test_dump_tool_refuses_a_repeated_expert_in_every_format(name, tmp_path, cap
 BAD_LINES = [
     ("split prompt part not base64", "vllm split int16",
      lambda r: r["prompt_routed_experts"].__setitem__("base64", "@@"),
-     r"line 1: prompt_routed_experts must be nested lists or \{\"dtype\", \"shape\", \"base64\"\} \(Error: "),
+     r"line 1: prompt_routed_experts must be an integer array, nested lists, base64 of a \.npy array, "
+     r"\{\"dtype\", \"shape\", \"base64\"\} or \{\"data\", \"dtype\"\} \(Error: "),
     ("split prompt part of float dtype", "vllm split int16",
      lambda r: r.__setitem__("prompt_routed_experts", {"dtype": "float32", "shape": [6, 2, 2],
                                                        "base64": base64.b64encode(bytes(96)).decode()}),
-     "line 1: prompt_routed_experts must hold integer expert ids, got dtype float32"),
+     "line 1: prompt_routed_experts: expert ids must be integers, got dtype float32"),
     ("openai start_len a string", "sglang openai uint8 start_len",
      lambda r: r.__setitem__("routed_experts_start_len", "2"),
      "line 1: SGLang line: 'routed_experts_start_len' must be an integer, got a string"),
