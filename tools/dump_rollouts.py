@@ -146,11 +146,14 @@ Every engine's line may also carry:
   tokens a later turn routed differently are counted (``meta["rerouted_tokens"]``, and the
   summary line). ``reward`` beside ``turns`` is the rollout's.
 
-MTP: with ``--mtp-num-layers N`` the model has N MTP MoE layers (numbered ``num-layers + k``).
-Megatron's engine returns their routes after the decoder's when it records them; the
-dump then covers them. The other engines capture the decoder only: their routes leave
-the MTP layers to the live router. A dump covers one set of layers: a line whose routes
-cover other layers than the first line's is refused.
+MTP: with ``--mtp-num-layers N`` the model has N MTP depths, MoE where its last decoder layer
+is (Megatron's GPT builder gives each depth that layer's spec), numbered ``num-layers + k``.
+Megatron's engine keeps one ``RouterReplay`` per MoE router, the MTP block's after the
+decoder's, so its routes may hold one more row group: the dump then covers the MTP layers
+too, and the trainer replays them there. The other engines capture the decoder only: their
+routes leave the MTP layers to the live router, and the summary line says for how many
+tokens. A dump covers one set of layers: a line whose routes cover other layers than the
+first line's is refused.
 
 Progress goes to stderr every ``--log-interval`` samples (samples, tokens, the
 fraction of tokens with a route). Refused, with the input line, the request, the
@@ -404,9 +407,10 @@ def dump_jsonl(
         overwrite: Replace an existing ``out_path`` (refused by default).
 
     Returns:
-        ``{"requests", "samples", "tokens", "routed_tokens", "rerouted_tokens", "repeated"}`` (``rerouted_tokens``:
-        tokens of multi-turn lines a later turn routed differently; ``repeated``: samples whose request id and
-        completion index an earlier one had; a warning names the first).
+        ``{"requests", "samples", "tokens", "routed_tokens", "rerouted_tokens", "mtp_live_tokens", "repeated"}``
+        (``rerouted_tokens``: tokens of multi-turn lines a later turn routed differently; ``mtp_live_tokens``:
+        tokens the model's MTP MoE layers route live, :meth:`RoutingSpec.mtp_live_tokens`; ``repeated``: samples
+        whose request id and completion index an earlier one had; a warning names the first).
 
     Raises:
         InputLineError: a line that cannot be read or does not fit the model, naming
@@ -414,7 +418,8 @@ def dump_jsonl(
             without samples.
         OutputFileError: ``out_path`` is ``input_path``, or exists without ``overwrite``.
     """
-    counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0, "rerouted_tokens": 0}
+    counts = {"requests": 0, "samples": 0, "tokens": 0, "routed_tokens": 0, "rerouted_tokens": 0,
+              "mtp_live_tokens": 0}
     first_line: dict = {}  # (request id, completion index) -> the line that gave it
     repeats: list = []
     writer = None
@@ -451,6 +456,7 @@ def dump_jsonl(
                     counts["samples"] += 1
                     counts["tokens"] += len(sample.token_ids)
                     counts["routed_tokens"] += int(sample.routes.valid.sum())
+                    counts["mtp_live_tokens"] += spec.mtp_live_tokens(sample.routes)
                     if log_interval and counts["samples"] % log_interval == 0:
                         print(f"dump_rollouts: {_summary(counts)}", file=log, flush=True)
             if counts["samples"] == 0:
@@ -471,8 +477,10 @@ def dump_jsonl(
 def _summary(counts: dict) -> str:
     routed = counts["routed_tokens"] / max(counts["tokens"], 1)
     rerouted = f", {counts['rerouted_tokens']} tokens re-routed by a later turn" if counts["rerouted_tokens"] else ""
+    mtp = (f", {counts['mtp_live_tokens']} tokens route live at the MTP MoE layers"
+           if counts["mtp_live_tokens"] else "")
     return (f"{counts['samples']} samples from {counts['requests']} requests, {counts['tokens']} tokens, "
-            f"routed fraction {routed:.4f}{rerouted}")
+            f"routed fraction {routed:.4f}{rerouted}{mtp}")
 
 
 def _records(path: str) -> Iterator[tuple[int, dict]]:

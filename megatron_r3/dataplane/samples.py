@@ -80,6 +80,19 @@ class RoutingSpec:
         """Every MoE layer routes may cover: the decoder's, then the MTP block's."""
         return tuple(self.model_moe_layers) + tuple(self.mtp_moe_layers)
 
+    def mtp_live_tokens(self, routes: RolloutRoutes) -> int:
+        """Tokens of a sample that the model's MTP MoE layers route live.
+
+        Every token where the routes do not cover the MTP layers (the engine returned none:
+        vLLM, SGLang and TensorRT-LLM capture the decoder only), else the tokens without a
+        route; 0 for a model without MTP MoE layers.
+        """
+        if not self.mtp_moe_layers:
+            return 0
+        if set(self.mtp_moe_layers) <= set(routes.layer_numbers):
+            return int(routes.num_tokens - routes.valid.sum())
+        return routes.num_tokens
+
     @classmethod
     def from_config(cls, config: Any, hybrid_layer_pattern: Optional[str] = None) -> "RoutingSpec":
         """From a Megatron ``TransformerConfig`` (``num_layers``, ``moe_layer_freq``,
