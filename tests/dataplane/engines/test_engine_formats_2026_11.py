@@ -57,7 +57,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_r3.dataplane.engines.adapters import from_sglang, from_trtllm, from_vllm
+from megatron_r3.dataplane.engines.adapters import from_sglang, from_trtllm, from_vllm, route_array
 from megatron_r3.dataplane.engines.engine_samples import (
     sglang_sample,
     trtllm_samples,
@@ -67,7 +67,7 @@ from megatron_r3.dataplane.engines.engine_samples import (
 from megatron_r3.dataplane.formats.dump_reader import RolloutDumpReader
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.samples import RoutingSpec
-from tests.dataplane.engines.test_engine_formats import replay_input
+from tests.dataplane.engines.test_engine_formats import DUMP_LINES as EARLIER_DUMP_LINES, replay_input
 from tests.dataplane.test_dump_rollouts import (
     MODEL_FLAGS, SPEC, CompletionOutput, make_truth, round_trip, sglang_response, vllm_request,
 )
@@ -384,4 +384,87 @@ def test_dump_tool_refuses_a_bad_variant_in_one_line(engine, line, message, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"dump_rollouts: error: {source} line 1: "), err
     assert re.search(message, err), err
+    assert not out.exists()
+
+
+# ---- the earlier formats' bad variants, through the tool: one line naming file, line, request, sample, field ----
+
+def _json_array(array):
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "base64": base64.b64encode(array.tobytes()).decode()}
+
+
+def _sglext_get(line):
+    flat = np.frombuffer(base64.b64decode(line["response"]["sglext"]["routed_experts"]), "<i4")
+    return flat.reshape(-1, SPEC.num_layers, SPEC.topk).copy()
+
+
+def _sglext_put(line, rows):
+    line["response"]["sglext"]["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode()
+    line["response"]["sglext"]["routed_experts_dtype"] = "int32" if rows.dtype.kind == "i" else rows.dtype.name
+
+
+def _megatron_put(line, rows):
+    choice = line["response"]["choices"][0]
+    choice["moe_topk_indices"] = rows.tolist()
+    choice.pop("prompt_moe_topk_indices")
+
+
+EARLIER = {  # format of tests/dataplane/engines/test_engine_formats.py: (route field's getter, setter, field named)
+    "vllm original int32": (lambda l: route_array(l["outputs"][0]["routed_experts"], "x").copy(),
+                            lambda l, r: l["outputs"][0].__setitem__("routed_experts", _json_array(r)),
+                            r"request 'r7' sample 0: .*routed_experts"),
+    "vllm split int16": (lambda l: route_array(l["prompt_routed_experts"], "x").copy(),
+                         lambda l, r: l.__setitem__("prompt_routed_experts", _json_array(r)),
+                         r"request 'r7' sample 0: .*prompt_routed_experts"),
+    "sglang openai int32": (_sglext_get, _sglext_put,
+                            r"request 'cmpl-s9' sample 0: SGLang response sglext\['routed_experts'\]"),
+    "megatron moe_topk_indices": (lambda l: np.asarray(l["response"]["choices"][0]["moe_topk_indices"]),
+                                  _megatron_put, r"request 'cmpl-1' sample 0: moe_topk_indices"),
+}
+EARLIER_BAD = [  # (format, variant, change of the route array, what the message says after the field)
+    ("vllm original int32", "wrong shape", lambda r: r[:-1], r": vLLM routes cover 9 tokens; a sample of 11"),
+    ("vllm original int32", "wrong dtype", lambda r: r.astype(np.int16),
+     r" has dtype int16; vLLM returns uint8 for a model of 16 experts \(0\.33\) or int32 \(before 0\.21\)"),
+    ("vllm original int32", "id >= num_experts", _set((4, 1, 0), 16), r": token 4, layer 2: expert id outside"),
+    ("vllm original int32", "layer count", lambda r: r[:, 1:], r" has 3 layers, the model has 4 decoder layers"),
+    ("vllm original int32", "non-zero dense row", _set((2, 2), [6, 7]),
+     r": token 2, layer 3: dense layer holds routes \[6, 7\]"),
+    ("vllm split int16", "wrong shape", lambda r: r[:-1], r" covers 5 tokens; it must cover 6"),
+    ("vllm split int16", "wrong dtype", lambda r: r.astype(np.int32),
+     r" has dtype int32; vLLM's split layout returns int16 or uint8"),
+    ("vllm split int16", "id >= num_experts", _set((1, 0, 1), 17), r": token 1, layer 2: expert id outside"),
+    ("vllm split int16", "layer count", lambda r: r[:, :1], r" has 1 layers, the model has 4 decoder layers"),
+    ("vllm split int16", "non-zero dense row",
+     lambda r: np.insert(np.insert(r, 0, [[3, 4]], axis=1), 2, 0, axis=1),
+     r": token 0, layer 1: dense layer holds routes \[3, 4\]"),
+    ("sglang openai int32", "wrong shape", lambda r: r[:, :, :1],
+     r" holds 40 int32 values; this sample needs \[tokens - 1, layers, topk\] = \[10, 4, 2\] = 80"),
+    ("sglang openai int32", "wrong dtype", lambda r: r.astype(np.float32),
+     r": routed_experts_dtype 'float32' is not one of \['int32', 'uint16', 'uint8'\]"),
+    ("sglang openai int32", "id >= num_experts", _set((6, 3, 1), 99), r": token 6, layer 4: expert id outside"),
+    ("sglang openai int32", "layer count", lambda r: r.reshape(-1, 2, 2)[:-1],
+     r" holds 76 int32 values; this sample needs \[tokens - 1, layers, topk\] = \[10, 4, 2\] = 80"),
+    ("sglang openai int32", "non-zero dense row", _set((8, 0), [1, 2]),
+     r": token 8, layer 1: dense layer holds routes \[1, 2\]"),
+    ("megatron moe_topk_indices", "wrong shape", lambda r: r[1:], r": Megatron routes cover 9 tokens"),
+    ("megatron moe_topk_indices", "wrong dtype", lambda r: r + 0.5, r": expert ids must be integers, got dtype float64"),
+    ("megatron moe_topk_indices", "id >= num_experts", _set((3, 1, 1), 16), r": token 3, layer 4: expert id outside"),
+    ("megatron moe_topk_indices", "layer count", lambda r: r[:, :1],
+     r" has 1 layers, the model has 4 decoder layers, 2 of them MoE: Megatron returns one row per MoE layer"),
+]
+
+
+@pytest.mark.parametrize("name, change, message", [(b[0], b[2], b[3]) for b in EARLIER_BAD],
+                         ids=[f"{b[0]}: {b[1]}" for b in EARLIER_BAD])
+def test_dump_tool_refuses_a_bad_variant_of_an_earlier_format(name, change, message, tmp_path, capsys):
+    engine, line, _, _ = EARLIER_DUMP_LINES[name]
+    get, put, field_named = EARLIER[name]
+    record = line(make_truth(np.random.default_rng(10), 6, 5))
+    put(record, change(get(record)))
+    source, out = tmp_path / "in.jsonl", tmp_path / "o.r3dump"
+    source.write_text(json.dumps(record) + "\n")
+    assert main(["--engine", engine, "--input", str(source), "--out", str(out), *MODEL_FLAGS]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dump_rollouts: error: {source} line 1: "), err
+    assert re.search(field_named + message, err), err
     assert not out.exists()
