@@ -145,13 +145,22 @@ def package_info(version):
 
 
 def change_line(tree, number, text, subject, cpu=False):
-    """Commit one changed line of layer.py, signed off; `cpu` marks the commit for the CPU series."""
+    """Commit one changed line of layer.py, signed off; `cpu` marks the commit for the CPU series,
+    an upstream commit carries a test file named in its 'Tests:' paragraph."""
     path = Path(tree) / LAYER
     lines = path.read_text().splitlines(keepends=True)
     lines[number] = text + "\n"
     path.write_text("".join(lines))
     trailer = f"\n{patch_series.SERIES_TRAILER}: {patch_series.CPU_SERIES}\n" if cpu else ""
-    git(tree, "commit", "-s", "-qam", f"{subject}\n\nWhy: a test needs it.\n\nWhat: line {number}.\n{trailer}")
+    tests = ""
+    if not cpu:
+        test = f"tests/unit_tests/test_{subject.split(': ')[1].replace(' ', '_')}.py"
+        (Path(tree) / test).parent.mkdir(parents=True, exist_ok=True)
+        (Path(tree) / test).write_text(f"def test_line_{number}():\n    pass\n")
+        git(tree, "add", test)
+        tests = f"\n\nTests: {test} (new), test_line_{number}."
+    git(tree, "commit", "-s", "-qam",
+        f"{subject}\n\nWhy: a test needs it.\n\nWhat: line {number}.{tests}\n{trailer}")
 
 
 @pytest.fixture
@@ -263,6 +272,29 @@ def test_check_refuses_an_unsigned_or_misfiled_patch(synthetic):
         patch_series.check_series(synthetic["sdist"])
     path.write_text("Subject: [PATCH] bare\n\nno reasons given\n---\n" + text.split("\n---\n", 1)[1])
     with pytest.raises(patch_series.SeriesError, match="Why:"):
+        patch_series.check_series(synthetic["sdist"])
+
+
+def test_check_refuses_an_upstream_patch_without_its_tests(synthetic):
+    path = patch_series.PATCH_DIR / "one/0.19/0001-layer-one.diff"
+    text = path.read_text()
+    test = "tests/unit_tests/test_one.py"
+    assert f"Tests: {test} (new)" in text and f"diff --git a/{test} b/{test}" in text
+    path.write_text(text.replace(f"\nTests: {test} (new), test_line_2.\n", ""))
+    with pytest.raises(patch_series.SeriesError, match="0001-layer-one.diff: no 'Tests:'"):
+        patch_series.check_series(synthetic["sdist"])
+    path.write_text(text.replace(f"Tests: {test}", "Tests: tests/unit_tests/test_other.py"))
+    with pytest.raises(patch_series.SeriesError,
+                       match=r"names \['tests/unit_tests/test_other.py'\], which the patch does"):
+        patch_series.check_series(synthetic["sdist"])
+    path.write_text(text.replace(f"Tests: {test} (new), test_line_2.", "Tests: none."))
+    with pytest.raises(patch_series.SeriesError, match="names no tests/...py file"):
+        patch_series.check_series(synthetic["sdist"])
+    extra = "tests/unit_tests/test_extra.py"
+    path.write_text(text + f"diff --git a/{extra} b/{extra}\nnew file mode 100644\n"
+                    f"--- /dev/null\n+++ b/{extra}\n@@ -0,0 +1 @@\n+x = 1\n")
+    with pytest.raises(patch_series.SeriesError,
+                       match=r"changes \['tests/unit_tests/test_extra.py'\], which its 'Tests:'"):
         patch_series.check_series(synthetic["sdist"])
 
 

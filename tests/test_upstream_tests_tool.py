@@ -382,3 +382,108 @@ def test_tests_the_world_cannot_hold_are_not_run_unless_asked(upstream, tmp_path
     ut.main(run + ["--out", str(tmp_path / "all"), "--all-sizes"])
     ran = {v["id"].split("::")[-1]: v["outcome"] for v in ut.load_side(tmp_path / "all" / "patched").values()}
     assert ran == {"test_sized[1-1]": "passed", "test_sized[2-1]": "failed", "test_sized[1-8]": "failed"}
+
+
+SERIES_TEST = "tests/unit_tests/moe/test_series.py"
+
+
+def _with_series_test(tree):
+    """The series' own test in a patched tree: it passes only on the patched core."""
+    _write(tree / SERIES_TEST, """\
+        from megatron.core import SIDE
+        from tests.unit_tests.helpers import X
+
+
+        def test_needs_the_series():
+            assert SIDE == "patched" and X == 1
+        """)
+
+
+def test_prepare_puts_the_series_tests_into_both_sides(upstream, tmp_path, monkeypatch):
+    repo, sdist, patched = upstream
+    _with_series_test(patched)
+    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out, "--lists", "series") == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["series_tests"] == [SERIES_TEST] and manifest["base"] == "0.19"
+    assert SERIES_TEST in manifest["test_files"]
+    assert "tests/unit_tests/helpers.py" in manifest["support_files"]  # its imports are followed
+    for side in ("pristine", "patched"):
+        assert (out / side / SERIES_TEST).read_text() == (patched / SERIES_TEST).read_text()
+    # A patched tree without the series' tests is refused.
+    (patched / SERIES_TEST).unlink()
+    assert _prepare(upstream, tmp_path / "b2", "--lists", "series") == 2
+
+
+def test_the_series_tests_are_expected_to_fail_on_pristine_only(upstream, tmp_path, monkeypatch):
+    repo, sdist, patched = upstream
+    _with_series_test(patched)
+    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
+    out = tmp_path / "bundle"
+    assert _prepare(upstream, out, "--lists", "series") == 0
+    (out / "pristine" / "tests" / "unit_tests" / "moe" / "test_a.py").unlink()
+    (out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py").unlink()
+    run = ["run", "--bundle", str(out), "--launcher", "plain", "--lists", "series",
+           "--timeout", "5", "--grace", "1", "--side-timeout", "60"]
+    assert ut.main(run + ["--out", str(tmp_path / "r1")]) == 0  # failing on pristine is expected
+    table = json.loads((tmp_path / "r1" / "comparison.json").read_text())
+    (row,) = table["series_rows"]
+    assert (row["pristine"], row["patched"]) == ("failed", "passed")
+    assert row["verdict"] == "expected: needs the series" and table["rows"] == []
+    md = (tmp_path / "r1" / "comparison.md").read_text()
+    assert "## The series' own tests" in md and "0 of 1 fail on the patched core." in md
+    # A series test that fails on the patched core fails the run.
+    test = out / "patched" / SERIES_TEST
+    test.write_text(test.read_text().replace('SIDE == "patched"', 'SIDE == "neither"'))
+    assert ut.main(run + ["--out", str(tmp_path / "r2")]) == 1
+    table = json.loads((tmp_path / "r2" / "comparison.json").read_text())
+    assert table["series_rows"][0]["verdict"] == "FAILS on the patched core"
+    assert not table["ok"] and table["counts_equal"]
+
+
+def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_path, monkeypatch):
+    """The main base: both sides' megatron/ come from Megatron-LM main at the pinned commit, the
+    patched one with the main form applied; another commit is refused."""
+    repo, _, _ = upstream
+    (repo / "megatron" / "core" / "package_info.py").write_text(
+        PACKAGE_INFO.replace("19", "20").replace("PATCH = 2", "PATCH = 0").format(""))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=repo, check=True)
+    subprocess.run(git + ["commit", "-qm", "main"], cwd=repo, check=True)
+    pinned = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                            text=True).stdout.strip()
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "later"], cwd=repo, check=True)
+    monkeypatch.setattr(ut.patch_series, "MAIN_COMMIT", pinned)
+    monkeypatch.setitem(ut.DEFAULT_REVS, "main", pinned)
+
+    def apply_main_form(tree):  # stands in for patch_series.apply_series on main
+        core = Path(tree) / "megatron" / "core" / "__init__.py"
+        core.write_text(core.read_text().replace("'pristine'", "'patched'"))
+        _with_series_test(Path(tree))
+
+    monkeypatch.setattr(ut.patch_series, "apply_series", apply_main_form)
+    monkeypatch.setattr(ut.patch_series, "form_files", lambda base: [Path("last.diff")])
+    monkeypatch.setattr(ut.patch_series, "series_digest", lambda: "digest")
+    monkeypatch.setattr(ut.patch_series, "has_patch",
+                        lambda tree, path: "'patched'" in (Path(tree) / "megatron/core/__init__.py")
+                        .read_text())
+    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
+    out = tmp_path / "bundle-main"
+    code = ut.main(["prepare", "--base", "main", "--megatron", str(repo), "--out", str(out),
+                    "--lists", "series", "--files", "tests/unit_tests/moe/test_a.py"])
+    assert code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["base"] == "main" and manifest["source_commit"] == pinned
+    assert manifest["sides"]["pristine"]["version"] == "0.20.0"
+    assert "SIDE = 'patched'" in (out / "patched/megatron/core/__init__.py").read_text()
+    assert "SIDE = 'pristine'" in (out / "pristine/megatron/core/__init__.py").read_text()
+    for side in ("pristine", "patched"):
+        # the whole megatron/ of main travels; nothing is taken from an sdist
+        assert (out / side / "megatron" / "rl" / "more.py").is_file()
+        assert (out / side / SERIES_TEST).is_file()
+    assert manifest["extra_megatron_packages"] == []
+    code = ut.main(["prepare", "--base", "main", "--megatron", str(repo), "--tag", "HEAD",
+                    "--out", str(tmp_path / "b2"), "--lists", "series"])
+    assert code == 2 and not (tmp_path / "b2").exists()

@@ -63,6 +63,8 @@ SDIST_NAME = "megatron_core-0.19.2.tar.gz"
 SDIST_SHA256 = "de643eee32007a7504ad52f061103fe7432503603b6321c16c861eb67dbd3353"
 MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 LOCAL_LABEL = "r3"
+# A test file of Megatron-LM's tree, as a patch's 'Tests:' paragraph names it.
+TEST_FILE = re.compile(r"tests/[\w/.-]+\.py")
 PACKAGE_INFO = Path("megatron/core/package_info.py")
 VERSION_LINE = "__version__ = '.'.join(map(str, VERSION[:3])) + ''.join(VERSION[3:])"
 # package_info appends the commit of a git repository around the installed package (a venv inside
@@ -186,8 +188,10 @@ def series_digest():
 
 def check_header(path, cpu):
     """A patch starts with a Subject, a body that says why and what, and a Signed-off-by; the
-    CPU series' patches, and only those, carry the 'Series: cpu' trailer."""
-    head = path.read_text().split("\n---\n", 1)[0]
+    CPU series' patches, and only those, carry the 'Series: cpu' trailer. An upstream patch
+    carries its tests (check_tests)."""
+    text = path.read_text()
+    head = text.split("\n---\n", 1)[0]
     if not re.search(r"^Subject: .+", head, re.M):
         raise SeriesError(f"{label(path)}: no 'Subject:' header")
     if "Why:" not in head or "What:" not in head:
@@ -200,6 +204,31 @@ def check_header(path, cpu):
             f"{label(path)}: its header {'has' if marked else 'lacks'} the trailer "
             f"'{SERIES_TRAILER}: {CPU_SERIES}', which marks the CPU series (patches/cpu/)"
         )
+    if not cpu:
+        check_tests(path, text)
+
+
+def check_tests(path, text):
+    """An upstream patch carries its tests in Megatron-LM's form: the header's 'Tests:'
+    paragraph names test files the patch adds or changes, and every test file it adds or
+    changes is named there (the CPU series' tests live in this repository instead)."""
+    head, _, rest = text.partition("\n---\n")
+    paragraph = re.search(r"^Tests: (.*?)(?=\n\n|\Z)", head, re.M | re.S)
+    if paragraph is None:
+        raise SeriesError(f"{label(path)}: no 'Tests:' paragraph naming the tests the patch carries")
+    named = set(TEST_FILE.findall(paragraph.group(1)))
+    if not named:
+        raise SeriesError(f"{label(path)}: its 'Tests:' paragraph names no tests/...py file")
+    changed = set(re.findall(r"^diff --git a/(\S+) b/", rest, re.M))
+    absent = sorted(named - changed)
+    if absent:
+        raise SeriesError(f"{label(path)}: 'Tests:' names {absent}, which the patch does not "
+                          "add or change")
+    unnamed = sorted(f for f in changed - named if TEST_FILE.fullmatch(f)
+                     and Path(f).name.startswith("test_"))
+    if unnamed:
+        raise SeriesError(f"{label(path)}: changes {unnamed}, which its 'Tests:' paragraph "
+                          "does not name")
 
 
 def check_headers(files, cpu=()):

@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""Run Megatron-LM's own unit tests on the pristine and on the patched megatron-core.
+"""Run Megatron-LM's own unit tests, and the series' own, on the pristine and on the patched
+megatron-core.
 
 Two steps, on two machines:
 
-  prepare   (any machine, no GPU needed) builds a self-contained bundle folder,
-            build/upstream-tests/ by default, git-ignored, with two run roots:
+  prepare   (any machine, no GPU needed) builds a self-contained bundle folder for one base
+            of the series (--base), git-ignored, with two run roots:
 
-              pristine/  megatron/ of the megatron-core 0.19.2 sdist (core + training)
-              patched/   the same with patches/ applied (tools/patch_series.py build)
+              --base 0.19 (build/upstream-tests/):
+                pristine/  megatron/ of the megatron-core 0.19.2 sdist (core + training)
+                patched/   the same with patches/ applied (tools/patch_series.py build)
+              --base main (build/upstream-tests-main/):
+                pristine/  megatron/ of Megatron-LM main at the pinned commit
+                patched/   the same with the main form of every pull request applied
 
-            and, identically in both, the chosen test files of Megatron-LM's tests/ at a
-            tag (core_v0.19.0 by default), every tests.* module, conftest.py and __init__.py
-            they import, the top-level megatron packages they import that the sdist lacks,
-            a pytest.ini with upstream's markers, and this tool's pytest plugin. A manifest
-            (manifest.json) records the sources, commits, file lists, sizes and the
-            third-party modules the tests import.
+            and, identically in both, the chosen test files of Megatron-LM's tests/ (at tag
+            core_v0.19.0, or main's pinned commit), the series' own tests (the test files its
+            patches add, taken from the patched tree: they fail on pristine, as expected),
+            every tests.* module, conftest.py and __init__.py they import, the top-level
+            megatron packages they import that the side lacks, a pytest.ini with upstream's
+            markers, and this tool's pytest plugin. A manifest (manifest.json) records the
+            sources, commits, file lists, sizes and the third-party modules the tests import.
 
   run       (the GPU machine) runs, for each side, from that side's root
               torchrun --standalone --nproc-per-node N -m pytest <files> -p no:cacheprovider
@@ -24,20 +30,25 @@ Two steps, on two machines:
             after it started is recorded as `timeout` by name and its rank exits; the side
             then goes on with the tests after it (a new torchrun), within the side's overall
             budget (--side-timeout). Both sides' results go side by side into
-            comparison.md and comparison.json, differences first.
+            comparison.md and comparison.json, differences first; the series' own tests
+            get a table of their own (a test that fails on pristine and passes patched is
+            expected there).
 
   compare   rebuilds the comparison from the results folders of a run (or from junit XML
             files alone).
 
 Examples:
   tools/upstream_tests.py prepare                         # mirror + tag found, default lists
+  tools/upstream_tests.py prepare --base main             # Megatron-LM main's tests and core
   tools/upstream_tests.py prepare --megatron ~/Megatron-LM --lists moe extra
   tools/upstream_tests.py run --nproc 2 --export "$OUT"   # on the GPU machine
+  tools/upstream_tests.py run --base main --nproc 2       # the main bundle
 """
 
 import argparse
 import ast
 import hashlib
+import io
 import json
 import os
 import re
@@ -52,8 +63,19 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BUNDLE = ROOT / "build" / "upstream-tests"
-DEFAULT_TAG = "core_v0.19.0"
+sys.path.insert(0, str(ROOT / "tools"))
+import patch_series  # noqa: E402  (the series' bases and forms)
+
+sys.path.pop(0)
+BASES = ("0.19", "main")
+DEFAULT_BUNDLES = {
+    "0.19": ROOT / "build" / "upstream-tests",
+    "main": ROOT / "build" / "upstream-tests-main",
+}
+DEFAULT_BUNDLE = DEFAULT_BUNDLES["0.19"]
+# The revision of Megatron-LM the tests come from, by base: the tag nearest the 0.19.2 release,
+# and the main commit the main form is made on.
+DEFAULT_REVS = {"0.19": "core_v0.19.0", "main": patch_series.MAIN_COMMIT}
 PLUGIN_SOURCE = Path(__file__).resolve().parent / "upstream_tests_plugin.py"
 PLUGIN_NAME = "r3_upstream_plugin"
 STUBS_SOURCE = Path(__file__).resolve().parent / "upstream_tests_stubs"
@@ -94,7 +116,10 @@ TEST_LISTS = {
         "tests/unit_tests/dist_checkpointing/models/test_moe_experts.py",
     ],
 }
-DEFAULT_LISTS = ("moe", "extra")
+# "series": the series' own tests, the test files its patches add or change (found in the base's
+# form at prepare and listed in the manifest as series_tests).
+TEST_LISTS["series"] = []
+DEFAULT_LISTS = ("moe", "extra", "series")
 
 # Outcomes, worst first: a test's outcome over ranks is the first one any rank had.
 OUTCOME_ORDER = ("timeout", "crashed", "error", "failed", "xpassed", "passed", "xfailed",
@@ -143,6 +168,11 @@ class DirSource:
     def read(self, rel):
         return (self.path / rel).read_bytes()
 
+    def extract(self, folder, dest):
+        """Copy `folder` of the checkout to dest/folder."""
+        shutil.copytree(self.path / folder, Path(dest) / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
 
 class GitSource:
     """Files of a git history (bare or not) at one revision."""
@@ -173,6 +203,18 @@ class GitSource:
             raise ToolError(f"cannot read {rel} at {self.rev}: {proc.stderr.decode().strip()}")
         return proc.stdout
 
+    def extract(self, folder, dest):
+        """Write `folder` at the revision to dest/folder (git archive)."""
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "--git-dir", str(self.gitdir), "archive", self.commit, folder],
+            capture_output=True,
+        )
+        if archive.returncode != 0:
+            raise ToolError(f"cannot export {folder} at {self.rev}: {archive.stderr.decode()}")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(dest, filter="data")
+
 
 def _git_out(args, cwd=None, gitdir=None):
     cmd = ["git"] + (["--git-dir", str(gitdir)] if gitdir else []) + args
@@ -189,31 +231,74 @@ def _is_git_history(path):
     ).is_dir()
 
 
-def open_source(megatron=None, tag=None):
-    """The Megatron-LM source to take tests from: the given path, else the first candidate."""
+def open_source(megatron=None, tag=None, base="0.19"):
+    """The Megatron-LM source to take tests from: the given path, else the first candidate.
+
+    For the 0.19 base a checkout is used as it is. The main base's core comes from the source
+    too, so it must be the commit the main form is made on: a git history at that commit.
+    """
+    rev = tag or DEFAULT_REVS[base]
+    pinned = base == "main"
     if megatron:
         path = Path(megatron).expanduser()
         if not path.exists():
             raise ToolError(f"--megatron {path}: no such folder")
-        if (path / "tests" / "unit_tests").is_dir() and not tag:
+        if (path / "tests" / "unit_tests").is_dir() and not tag and not pinned:
             return DirSource(path)
-        if _is_git_history(path) or tag:
+        if _is_git_history(path) or tag or (path / ".git").exists():
             gitdir = path if _is_git_history(path) else path / ".git"
-            return GitSource(gitdir, tag or DEFAULT_TAG)
+            return _checked(GitSource(gitdir, rev), base)
         raise ToolError(f"--megatron {path} is neither a Megatron-LM checkout nor its git history")
     for cand in CHECKOUT_CANDIDATES:
         if (cand / "tests" / "unit_tests").is_dir():
-            if tag:
-                return GitSource(cand / ".git", tag)
+            if tag or pinned:
+                return _checked(GitSource(cand / ".git", rev), base)
             return DirSource(cand)
         if cand.exists() and _is_git_history(cand):
-            return GitSource(cand, tag or DEFAULT_TAG)
+            return _checked(GitSource(cand, rev), base)
     raise ToolError(
-        "no Megatron-LM checkout found. Put one (tag core_v0.19.0: `git clone "
-        "https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout core_v0.19.0`) at "
-        f"{CHECKOUT_CANDIDATES[0]}, or pass --megatron PATH (a checkout, or a git history "
-        "with --tag)"
+        f"no Megatron-LM checkout found. Put one (`git clone https://github.com/NVIDIA/Megatron-LM`"
+        f"; the {base} base's tests are at {rev}) at {CHECKOUT_CANDIDATES[0]}, or pass "
+        "--megatron PATH (a checkout, or a git history with --tag)"
     )
+
+
+def _checked(source, base):
+    """The main base's source must be the commit its form is made on."""
+    if base == "main" and source.commit != patch_series.MAIN_COMMIT:
+        raise ToolError(
+            f"{source.describe()} is not Megatron-LM main at {patch_series.MAIN_COMMIT[:10]}, "
+            "the commit the main form is made on (leave --tag out)"
+        )
+    return source
+
+
+class OverlaySource:
+    """A source with some files replaced or added (the series' own tests, from the patched
+    tree), so their imports are followed like those of upstream's tests."""
+
+    def __init__(self, source, extra):
+        self.source, self.extra = source, dict(extra)
+        self.rev, self.commit = source.rev, source.commit
+
+    def describe(self):
+        return self.source.describe()
+
+    def files(self):
+        return self.source.files() | set(self.extra)
+
+    def read(self, rel):
+        return self.extra[rel] if rel in self.extra else self.source.read(rel)
+
+
+def series_tests(base):
+    """The test files the base's form of the series adds or changes, in apply order."""
+    out = []
+    for path in patch_series.form_files(patch_series.BASES[base]):
+        for rel in re.findall(r"^diff --git a/(tests/\S+\.py) b/", path.read_text(), re.M):
+            if Path(rel).name.startswith("test_") and rel not in out:
+                out.append(rel)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -438,12 +523,7 @@ def _package_version(tree):
 
 
 def side_trees(sdist, patched, scratch):
-    """Folders holding megatron/ of the pristine sdist and of the patched tree."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import patch_series
-    finally:
-        sys.path.pop(0)
+    """Folders holding megatron/ of the pristine sdist and of the patched tree (0.19 base)."""
     sdist = Path(sdist)
     if not sdist.is_file():
         raise ToolError(
@@ -469,8 +549,37 @@ def side_trees(sdist, patched, scratch):
     if "+r3" not in _package_version(patched):
         raise ToolError(f"{patched} does not say +r3 in its package_info: not a patched tree")
     return pristine, patched, {
-        "sdist": str(sdist), "sdist_sha256": digest, "series_digest": patch_series.series_digest(),
+        "pristine_tree": str(sdist), "sdist_sha256": digest,
+        "series_digest": patch_series.series_digest(),
         "patched_tree": "built from the sdist and patches/" if built_here else str(patched),
+    }
+
+
+def main_side_trees(source, patched, scratch):
+    """Folders holding megatron/ of Megatron-LM main at the pinned commit (`source`) and of
+    the same with the main form of every pull request applied (or the tree `patched`)."""
+    pristine = Path(scratch) / "pristine"
+    source.extract("megatron", pristine)
+    if patched:
+        patched = Path(patched).resolve()
+        if not (patched / "megatron" / "core").is_dir():
+            raise ToolError(f"--patched {patched}: no megatron/core inside")
+        built_here = False
+    else:
+        patched = Path(scratch) / "patched"
+        shutil.copytree(pristine, patched)
+        try:
+            patch_series.apply_series(patched)
+        except patch_series.SeriesError as err:
+            raise ToolError(f"patching Megatron-LM main: {err}") from err
+        built_here = True
+    form = patch_series.form_files(patch_series.BASES["main"])
+    if not patch_series.has_patch(patched, form[-1]):
+        raise ToolError(f"{patched} does not have the main form applied: not a patched tree")
+    return pristine, patched, {
+        "pristine_tree": source.describe(), "sdist_sha256": None,
+        "series_digest": patch_series.series_digest(),
+        "patched_tree": "Megatron-LM main with patches/<pr>/main/" if built_here else str(patched),
     }
 
 
@@ -481,18 +590,31 @@ def prepare(args):
             raise ToolError(f"{out} exists and is not a bundle of this tool; choose another --out")
         if not args.force:
             raise ToolError(f"{out} exists; pass --force to rebuild it")
-    source = open_source(args.megatron, args.tag)
-    log(f"tests from {source.describe()}")
+    source = open_source(args.megatron, args.tag, args.base)
+    log(f"tests from {source.describe()} ({args.base} base)")
     entries = list(args.files or [])
-    for name in args.lists or ([] if entries else DEFAULT_LISTS):
+    lists = args.lists or ([] if entries else DEFAULT_LISTS)
+    for name in lists:
         entries.extend(TEST_LISTS[name])
-    test_files = expand_tests(source, entries)
-    log(f"{len(test_files)} test files")
+    test_files = expand_tests(source, entries) if entries else []
+    own_tests = series_tests(args.base) if "series" in lists else []
+    log(f"{len(test_files)} upstream test files, {len(own_tests)} of the series")
 
     tmp_parent = out.parent
     tmp_parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=tmp_parent, prefix=".upstream-tests-") as scratch:
-        pristine_src, patched_src, side_info = side_trees(args.sdist, args.patched, scratch)
+        if args.base == "main":
+            pristine_src, patched_src, side_info = main_side_trees(source, args.patched, scratch)
+        else:
+            pristine_src, patched_src, side_info = side_trees(args.sdist, args.patched, scratch)
+        # The series' tests come from the patched tree and go to both sides: on pristine they
+        # fail, as they should.
+        missing = [rel for rel in own_tests if not (patched_src / rel).is_file()]
+        if missing:
+            raise ToolError(f"{patched_src} lacks the series' tests {missing}: not a tree the "
+                            "series was applied to with its tests")
+        source = OverlaySource(source, {rel: (patched_src / rel).read_bytes() for rel in own_tests})
+        test_files += [rel for rel in own_tests if rel not in test_files]
         side_packages = {p.name for p in (pristine_src / "megatron").iterdir() if p.is_dir()}
         # megatron/training ships in the sdist; what it imports from megatron must travel too.
         side_files = {
@@ -506,7 +628,7 @@ def prepare(args):
         if unresolved:
             log(f"warning: imported tests.* modules not found at the source: {unresolved}")
         if extra_pkgs:
-            log(f"megatron packages the sdist lacks, copied from the source into both roots: "
+            log(f"megatron packages the side lacks, copied from the source into both roots: "
                 f"{', '.join('megatron.' + p for p in extra_pkgs)}")
         staging = Path(scratch) / "bundle"
         ini = pytest_ini(source)
@@ -532,8 +654,10 @@ def prepare(args):
             "source": source.describe(),
             "source_commit": source.commit,
             "source_rev": source.rev,
+            "base": args.base,
             "sides": {
-                "pristine": {"version": _package_version(pristine_src), "from": side_info["sdist"]},
+                "pristine": {"version": _package_version(pristine_src),
+                             "from": side_info["pristine_tree"]},
                 "patched": {"version": _package_version(patched_src),
                             "from": side_info["patched_tree"]},
             },
@@ -542,6 +666,7 @@ def prepare(args):
             "project_commit": _git_out(["rev-parse", "HEAD"], cwd=ROOT),
             "lists": {name: TEST_LISTS[name] for name in (args.lists or [])},
             "test_files": test_files,
+            "series_tests": own_tests,
             "support_files": [f for f in needed if f not in test_files],
             "extra_megatron_packages": extra_pkgs,
             "third_party_modules": third_party,
@@ -560,7 +685,8 @@ def prepare(args):
         staging.rename(out)
     log(f"bundle at {out}: {total / 2**20:.1f} MiB "
         f"(pristine {sizes['pristine'] / 2**20:.1f}, patched {sizes['patched'] / 2**20:.1f}); "
-        f"{len(test_files)} test files, {len(needed) - len(test_files)} support files")
+        f"{len(test_files)} test files ({len(own_tests)} of the series), "
+        f"{len(needed) - len(test_files)} support files")
     log(f"third-party modules the tests import: {', '.join(third_party) or 'none'}")
     return 0
 
@@ -875,6 +1001,15 @@ def run(args):
     if not targets:
         lists = args.lists or list(DEFAULT_LISTS)
         for name in lists:
+            if name == "series":
+                own = manifest.get("series_tests", [])
+                if not own:
+                    log("warning: the bundle holds none of the series' own tests (prepare with "
+                        "--lists ... series)")
+                # A file under a folder already named runs with it (no test twice).
+                targets += [rel for rel in own if not any(
+                    rel == t or rel.startswith(t.rstrip("/") + "/") for t in targets)]
+                continue
             for entry in TEST_LISTS[name]:
                 if any(f == entry or f.startswith(entry.rstrip("/") + "/")
                        for f in manifest["test_files"]):
@@ -934,7 +1069,7 @@ def run(args):
     table = write_comparison(out, meta)
     if args.export:
         export(out, Path(args.export))
-    return 0 if table["counts_equal"] else 1
+    return 0 if table["ok"] else 1
 
 
 def export(out, dest):
@@ -1083,6 +1218,7 @@ def compare(pristine, patched):
     for key in sorted(set(pristine) | set(patched)):
         a, b = pristine.get(key), patched.get(key)
         rows.append({
+            "key": key,
             "id": (b or a)["id"] if b and b["id"] != key else (a or b)["id"],
             "pristine": a["outcome"] if a else "absent",
             "patched": b["outcome"] if b else "absent",
@@ -1101,6 +1237,31 @@ def compare(pristine, patched):
     return rows
 
 
+# Outcomes of a series test on the patched side that count as working.
+SERIES_OK = ("passed", "skipped", "xfailed")
+
+
+def split_series(rows, series_files):
+    """(upstream's rows, the series' rows): a row is the series' when its test file is one of
+    the files the series' patches add or change."""
+    modules = {rel[: -len(".py")].replace("/", ".") for rel in series_files}
+
+    def is_series(row):
+        head = row["key"].split("::")[0]
+        return any(head == m or head.startswith(m + ".") for m in modules)
+
+    upstream = [r for r in rows if not is_series(r)]
+    own = [r for r in rows if is_series(r)]
+    for row in own:
+        if row["patched"] not in SERIES_OK:
+            row["verdict"] = "FAILS on the patched core"
+        elif row["pristine"] == row["patched"]:
+            row["verdict"] = "the same without the series"
+        else:
+            row["verdict"] = "expected: needs the series"
+    return upstream, own
+
+
 def counts(side):
     out = {}
     for value in side.values():
@@ -1113,15 +1274,18 @@ def _fmt_s(value):
     return "" if value is None else f"{value:.2f}"
 
 
-def render_markdown(rows, pristine, patched, meta):
+def render_markdown(rows, pristine, patched, meta, own_rows=()):
+    """The comparison of upstream's tests (`rows`), then the series' own (`own_rows`); the
+    sides hold both."""
     diffs = [r for r in rows if r["pristine"] != r["patched"]]
+    keys = {r["key"] for r in own_rows}
     lines = ["# Megatron-LM unit tests: pristine vs patched megatron-core", ""]
     if meta:
         man = meta.get("manifest", {})
         lines += [
             f"- device: {meta.get('device', '?')}; {meta.get('nproc', '?')} ranks per side",
             f"- date: {meta.get('date', '?')}",
-            f"- tests: {man.get('source', '?')}",
+            f"- tests: {man.get('source', '?')} ({man.get('base', '0.19')} base)",
             f"- project commit: {man.get('project_commit', '?')}; series digest "
             f"{man.get('series_digest', '?')}",
         ]
@@ -1139,13 +1303,8 @@ def render_markdown(rows, pristine, patched, meta):
         if meta.get("missing_modules"):
             lines.append(f"- modules missing on the device: {', '.join(meta['missing_modules'])}")
         lines.append("")
-    lines += ["| side | " + " | ".join(OUTCOME_ORDER) + " | total | seconds |",
-              "| --- |" + " --- |" * (len(OUTCOME_ORDER) + 2)]
-    for name, side in (("pristine", pristine), ("patched", patched)):
-        c = counts(side)
-        total_s = sum(v["seconds"] for v in side.values())
-        lines.append(f"| {name} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOME_ORDER)
-                     + f" | {len(side)} | {total_s:.1f} |")
+    lines += _counts_table({k: v for k, v in pristine.items() if k not in keys},
+                           {k: v for k, v in patched.items() if k not in keys})
     lines += ["", f"{len(diffs)} tests differ.", ""]
     lines += ["| test | pristine | patched | pristine s | patched s |",
               "| --- | --- | --- | ---: | ---: |"]
@@ -1155,12 +1314,44 @@ def render_markdown(rows, pristine, patched, meta):
                      f"| {_fmt_s(r['pristine_s'])} | {_fmt_s(r['patched_s'])} |")
     if diffs:
         lines += ["", "## Messages of the tests that differ", ""]
-        for r in diffs:
-            lines.append(f"- `{r['id']}`")
-            for side in SIDES:
-                if r[f"{side}_message"]:
-                    lines.append(f"  - {side}: {r[f'{side}_message'][:300]}")
+        lines += _messages(diffs)
+    if own_rows:
+        failing = [r for r in own_rows if r["patched"] not in SERIES_OK]
+        lines += ["", "## The series' own tests", "",
+                  "They test what the series adds, so they are expected to fail on pristine "
+                  "(most at import); every one must pass, or skip for want of ranks or of "
+                  "TransformerEngine, on the patched core.", ""]
+        lines += _counts_table({k: v for k, v in pristine.items() if k in keys},
+                               {k: v for k, v in patched.items() if k in keys})
+        lines += ["", f"{len(failing)} of {len(own_rows)} fail on the patched core.", "",
+                  "| test | pristine | patched | verdict |", "| --- | --- | --- | --- |"]
+        for r in sorted(own_rows, key=lambda r: (r["patched"] in SERIES_OK, r["id"])):
+            lines.append(f"| `{r['id']}` | {r['pristine']} | {r['patched']} | {r['verdict']} |")
+        if failing:
+            lines += ["", "### Messages of the series' tests that fail on the patched core", ""]
+            lines += _messages(failing)
     return "\n".join(lines) + "\n"
+
+
+def _counts_table(pristine, patched):
+    lines = ["| side | " + " | ".join(OUTCOME_ORDER) + " | total | seconds |",
+             "| --- |" + " --- |" * (len(OUTCOME_ORDER) + 2)]
+    for name, side in (("pristine", pristine), ("patched", patched)):
+        c = counts(side)
+        total_s = sum(v["seconds"] for v in side.values())
+        lines.append(f"| {name} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOME_ORDER)
+                     + f" | {len(side)} | {total_s:.1f} |")
+    return lines
+
+
+def _messages(rows):
+    lines = []
+    for r in rows:
+        lines.append(f"- `{r['id']}`")
+        for side in SIDES:
+            if r[f"{side}_message"]:
+                lines.append(f"  - {side}: {r[f'{side}_message'][:300]}")
+    return lines
 
 
 def _atomic_write(path, text):
@@ -1175,18 +1366,28 @@ def write_comparison(out, meta=None):
         meta = json.loads((out / "run.json").read_text())
     pristine = load_side(out / "pristine")
     patched = load_side(out / "patched")
-    rows = compare(pristine, patched)
-    c_a, c_b = counts(pristine), counts(patched)
+    series_files = ((meta or {}).get("manifest") or {}).get("series_tests", [])
+    rows, own_rows = split_series(compare(pristine, patched), series_files)
+    own_keys = {r["key"] for r in own_rows}
+    upstream = [{k: v for k, v in side.items() if k not in own_keys} for side in (pristine, patched)]
+    c_a, c_b = counts(upstream[0]), counts(upstream[1])
+    series_ok = all(r["patched"] in SERIES_OK for r in own_rows)
+    counts_equal = c_a == c_b and all(r["pristine"] == r["patched"] for r in rows)
     table = {"meta": {k: v for k, v in (meta or {}).items() if k != "manifest"},
-             "counts": {"pristine": c_a, "patched": c_b}, "counts_equal": c_a == c_b and all(
-                 r["pristine"] == r["patched"] for r in rows),
-             "rows": rows}
+             "counts": {"pristine": c_a, "patched": c_b}, "counts_equal": counts_equal,
+             "series_ok": series_ok, "ok": counts_equal and series_ok,
+             "rows": rows, "series_rows": own_rows}
     _atomic_write(out / "comparison.json", json.dumps(table, indent=1) + "\n")
-    _atomic_write(out / "comparison.md", render_markdown(rows, pristine, patched, meta))
+    _atomic_write(out / "comparison.md", render_markdown(rows, pristine, patched, meta, own_rows))
     log(f"pristine: {c_a}")
     log(f"patched:  {c_b}")
-    log(f"{sum(r['pristine'] != r['patched'] for r in rows)} tests differ; "
+    log(f"{sum(r['pristine'] != r['patched'] for r in rows)} of upstream's tests differ; "
         f"table: {out / 'comparison.md'}")
+    if own_rows:
+        failing = sum(r["patched"] not in SERIES_OK for r in own_rows)
+        expected = sum(r["verdict"].startswith("expected") for r in own_rows)
+        log(f"the series' own tests: {len(own_rows)}, {failing} failing on the patched core, "
+            f"{expected} failing or absent on pristine as expected")
     return table
 
 
@@ -1197,7 +1398,7 @@ def compare_cmd(args):
             raise ToolError(f"{out / side}: no such folder (a results folder of `run` holds "
                             "pristine/ and patched/)")
     table = write_comparison(out)
-    return 0 if table["counts_equal"] else 1
+    return 0 if table["ok"] else 1
 
 
 # --------------------------------------------------------------------------------------
@@ -1209,14 +1410,20 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="build the bundle (no GPU needed)")
+    p.add_argument("--base", choices=BASES, default="0.19",
+                   help="the series' base: 0.19 (the megatron-core 0.19.2 sdist, tests at "
+                   f"{DEFAULT_REVS['0.19']}) or main (Megatron-LM main at "
+                   f"{DEFAULT_REVS['main'][:10]}: its core and its tests)")
     p.add_argument("--megatron", help="a Megatron-LM checkout, or its git history (with --tag)")
-    p.add_argument("--tag", help=f"revision of a git history to take tests from "
-                   f"(default {DEFAULT_TAG} for a history; a checkout is used as it is)")
-    p.add_argument("--sdist", default=None, help="the pristine megatron-core sdist "
-                   "(default: build/megatron_core-0.19.2.tar.gz)")
-    p.add_argument("--patched", help="a patched megatron-core tree to use instead of building "
-                   "one from the sdist and patches/")
-    p.add_argument("--out", default=str(DEFAULT_BUNDLE))
+    p.add_argument("--tag", help="revision of a git history to take tests from (default "
+                   f"{DEFAULT_REVS['0.19']} for 0.19, where a checkout is used as it is; main "
+                   "takes its pinned commit)")
+    p.add_argument("--sdist", default=None, help="the pristine megatron-core sdist of the 0.19 "
+                   "base (default: build/megatron_core-0.19.2.tar.gz)")
+    p.add_argument("--patched", help="a patched tree to use instead of building one from the "
+                   "base and patches/ (with the series' tests in it)")
+    p.add_argument("--out", help="the bundle (default: build/upstream-tests for 0.19, "
+                   "build/upstream-tests-main for main)")
     p.add_argument("--lists", nargs="*", choices=sorted(TEST_LISTS),
                    help=f"named test lists (default: {' '.join(DEFAULT_LISTS)})")
     p.add_argument("--files", nargs="*", help="test files or folders (repository paths)")
@@ -1224,7 +1431,9 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
 
     r = sub.add_parser("run", help="run both sides under torchrun and compare (GPU machine)")
-    r.add_argument("--bundle", default=str(DEFAULT_BUNDLE))
+    r.add_argument("--base", choices=BASES, default="0.19",
+                   help="picks the default bundle: build/upstream-tests(-main)")
+    r.add_argument("--bundle", help="the bundle to run (default: the --base's)")
     r.add_argument("--out", help="results folder (default: BUNDLE/results)")
     r.add_argument("--export", help="copy comparison.md/.json and a results tarball here")
     r.add_argument("--lists", nargs="*", choices=sorted(TEST_LISTS),
@@ -1257,14 +1466,14 @@ def main(argv=None):
     try:
         if args.command == "prepare":
             if args.sdist is None:
-                sys.path.insert(0, str(ROOT / "tools"))
-                import patch_series
-
-                sys.path.pop(0)
                 args.sdist = str(ROOT / "build" / patch_series.SDIST_NAME)
+            if args.out is None:
+                args.out = str(DEFAULT_BUNDLES[args.base])
             args.max_bytes = int(args.max_mb * 2**20)
             return prepare(args)
         if args.command == "run":
+            if args.bundle is None:
+                args.bundle = str(DEFAULT_BUNDLES[args.base])
             return run(args)
         return compare_cmd(args)
     except ToolError as err:
