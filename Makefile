@@ -16,7 +16,7 @@ help:
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
 	@echo "make check-megatron-lm [MEGATRON_GIT=repo] [MEGATRON_PYTHON=py]   git am --3way both series on Megatron-LM main, compile, collect tests/unit_tests/rl (docs/megatron_rl.md)"
-	@echo "make upstream-tests [MEGATRON=checkout]   Megatron-LM's unit tests on the pristine and the patched core, side by side (build/upstream-tests; runs where CUDA is; docs/upstream_tests.md)"
+	@echo "make upstream-tests [UPSTREAM_BASE=0.19|main] [MEGATRON=checkout]   Megatron-LM's and the series' unit tests on the pristine and the patched core, side by side (build/upstream-tests[-main]; runs where CUDA is; docs/upstream_tests.md)"
 
 install:
 	@PYTHON=$(PYTHON) bash tools/install.sh
@@ -76,13 +76,16 @@ check-megatron-lm:
 clean:
 	rm -rf build .venv megatron_r3/_C*.so *.egg-info
 
-# Megatron-LM's own unit tests (tag core_v0.19.0) on the pristine and on the patched core, side by
-# side: `prepare` builds build/upstream-tests/ here (no GPU); `run` runs both sides under torchrun
-# on a GPU machine (carry build/upstream-tests there). UPSTREAM_ARGS: more arguments for `run`.
+# Megatron-LM's own unit tests and the series' own tests on the pristine and on the patched core,
+# side by side, for one base of the series (UPSTREAM_BASE: 0.19, the sdist with tests at tag
+# core_v0.19.0; main, Megatron-LM main at the pinned commit): `prepare` builds
+# build/upstream-tests/ (main: build/upstream-tests-main/) here (no GPU); `run` runs both sides
+# under torchrun on a GPU machine (carry the bundle there). UPSTREAM_ARGS: more arguments for `run`.
 UPSTREAM_ARGS ?=
+UPSTREAM_BASE ?= 0.19
 upstream-tests:
 	@test -f $(SDIST) || $(PYTHON) -m pip download -q --no-deps --no-binary :all: --ignore-requires-python megatron-core==$(BASE) -d build
-	$(PYTHON) tools/upstream_tests.py prepare --force $(if $(MEGATRON),--megatron "$(MEGATRON)")
+	$(PYTHON) tools/upstream_tests.py prepare --force --base $(UPSTREAM_BASE) $(if $(MEGATRON),--megatron "$(MEGATRON)")
 	@if $(PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
-	  $(PYTHON) tools/upstream_tests.py run --force $(UPSTREAM_ARGS); \
-	else echo "no CUDA here: the bundle is ready; on a GPU machine run: tools/upstream_tests.py run (docs/upstream_tests.md)"; fi
+	  $(PYTHON) tools/upstream_tests.py run --force --base $(UPSTREAM_BASE) $(UPSTREAM_ARGS); \
+	else echo "no CUDA here: the bundle is ready; on a GPU machine run: tools/upstream_tests.py run --base $(UPSTREAM_BASE) (docs/upstream_tests.md)"; fi
