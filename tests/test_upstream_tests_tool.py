@@ -399,12 +399,19 @@ def _with_series_test(tree):
         """)
 
 
-def test_prepare_puts_the_series_tests_into_both_sides(upstream, tmp_path, monkeypatch):
-    repo, sdist, patched = upstream
-    _with_series_test(patched)
+@pytest.fixture
+def series_bundle(upstream, tmp_path, monkeypatch):
+    """A 0.19 bundle prepared with the series' own test in the patched tree."""
+    _with_series_test(upstream[2])
     monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
     out = tmp_path / "bundle"
     assert _prepare(upstream, out, "--lists", "series") == 0
+    return out
+
+
+def test_prepare_puts_the_series_tests_into_both_sides(upstream, series_bundle, tmp_path):
+    repo, sdist, patched = upstream
+    out = series_bundle
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["series_tests"] == [SERIES_TEST] and manifest["base"] == "0.19"
     assert SERIES_TEST in manifest["test_files"]
@@ -416,12 +423,8 @@ def test_prepare_puts_the_series_tests_into_both_sides(upstream, tmp_path, monke
     assert _prepare(upstream, tmp_path / "b2", "--lists", "series") == 2
 
 
-def test_the_series_tests_are_expected_to_fail_on_pristine_only(upstream, tmp_path, monkeypatch):
-    repo, sdist, patched = upstream
-    _with_series_test(patched)
-    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
-    out = tmp_path / "bundle"
-    assert _prepare(upstream, out, "--lists", "series") == 0
+def test_the_series_tests_are_expected_to_fail_on_pristine_only(series_bundle, tmp_path):
+    out = series_bundle
     (out / "pristine" / "tests" / "unit_tests" / "moe" / "test_a.py").unlink()
     (out / "patched" / "tests" / "unit_tests" / "moe" / "test_a.py").unlink()
     run = ["run", "--bundle", str(out), "--launcher", "plain", "--lists", "series",

@@ -522,6 +522,14 @@ def _package_version(tree):
     return version + ("+r3" if "'+r3'" in text else "")
 
 
+def given_patched_tree(patched):
+    """The --patched tree, resolved, or an error if it holds no megatron/core."""
+    patched = Path(patched).resolve()
+    if not (patched / "megatron" / "core").is_dir():
+        raise ToolError(f"--patched {patched}: no megatron/core inside")
+    return patched
+
+
 def side_trees(sdist, patched, scratch):
     """Folders holding megatron/ of the pristine sdist and of the patched tree (0.19 base)."""
     sdist = Path(sdist)
@@ -535,9 +543,7 @@ def side_trees(sdist, patched, scratch):
         raise ToolError(f"{sdist} has sha256 {digest}, not the pinned {patch_series.SDIST_SHA256}")
     pristine = patch_series.extract_sdist(sdist, Path(scratch) / "pristine")
     if patched:
-        patched = Path(patched).resolve()
-        if not (patched / "megatron" / "core").is_dir():
-            raise ToolError(f"--patched {patched}: no megatron/core inside")
+        patched = given_patched_tree(patched)
         built_here = False
     else:
         patched = Path(scratch) / "patched"
@@ -561,9 +567,7 @@ def main_side_trees(source, patched, scratch):
     pristine = Path(scratch) / "pristine"
     source.extract("megatron", pristine)
     if patched:
-        patched = Path(patched).resolve()
-        if not (patched / "megatron" / "core").is_dir():
-            raise ToolError(f"--patched {patched}: no megatron/core inside")
+        patched = given_patched_tree(patched)
         built_here = False
     else:
         patched = Path(scratch) / "patched"
