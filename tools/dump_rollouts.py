@@ -518,23 +518,40 @@ def _field(record: dict, key: str, what: str, kind: Any, required: bool = True) 
 def _positions(positions: Optional[list], what: str) -> Optional[list]:
     """JSON per-position log-probs -> vLLM's ``[{token_id: Logprob}]`` (None entries stay None).
 
-    The log-prob values are passed on as they are: the engine adapter checks that
-    they are finite numbers <= 0 and names the token.
+    Each position is read lazily (:class:`JsonPosition`): the adapter looks up one token per
+    position, and only that entry is converted. The log-prob values are passed on as they
+    are: the engine adapter checks that they are finite numbers <= 0 and names the token.
     """
     if positions is None:
         return None
-    out = []
-    for i, position in enumerate(positions):
-        if position is None:
-            out.append(None)
-            continue
-        try:
-            out.append({int(token): SimpleNamespace(logprob=entry["logprob"]) for token, entry in position.items()})
-        except (AttributeError, KeyError, TypeError, ValueError):
-            raise InputLineError(
-                f"{what}[{i}] must map token ids to {{\"logprob\": float, ...}}, got {json.dumps(position)[:200]}"
-            ) from None
-    return out
+    if not set(map(type, positions)) <= {dict, type(None)}:
+        bad = next(i for i, p in enumerate(positions) if p is not None and not isinstance(p, dict))
+        raise InputLineError(f"{what}[{bad}] must map token ids to {{\"logprob\": float, ...}}, got "
+                             f"{json.dumps(positions[bad])[:200]}")
+    return [None if position is None else JsonPosition(position, what, i) for i, position in enumerate(positions)]
+
+
+class JsonPosition:
+    """One position of a line's log-probs, ``{"<token id>": {"logprob": float, ...}}``, read as vLLM's
+    ``{token_id: Logprob}``."""
+
+    __slots__ = ("entries", "what", "index")
+
+    def __init__(self, entries: dict, what: str, index: int):
+        self.entries, self.what, self.index = entries, what, index
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, token: int) -> Optional[SimpleNamespace]:
+        """The token's ``Logprob`` (its ``logprob`` as the line gives it), or None."""
+        entry = self.entries.get(str(token))
+        if entry is None:
+            return None
+        if not isinstance(entry, dict) or "logprob" not in entry:
+            raise InputLineError(f"{self.what}[{self.index}][{token}] must be {{\"logprob\": float, ...}}, got "
+                                 f"{json.dumps(entry)[:200]}")
+        return SimpleNamespace(logprob=entry["logprob"])
 
 
 def _positions_json(position: Optional[dict]) -> Optional[dict]:

@@ -102,6 +102,29 @@ def validate_routes(
         _raise_first(repeated, ids, layer_numbers, where, "repeated expert id in one token's row", REPEATED_CAUSE)
 
 
+def rows_equal(ids: np.ndarray, value: int) -> np.ndarray:
+    """``[T, L]`` bool of ``ids [T, L, K]``: every entry of the row (token, layer) is ``value``.
+
+    A row of 1, 2 or 4 bytes is compared as one integer, a row of a multiple of 8 bytes one
+    8-byte word at a time (uint8 ids top-8: one compare per row): numpy reduces a short last
+    axis element by element, an order of magnitude slower.
+    """
+    tokens, layers, topk = ids.shape
+    try:
+        pattern = np.full(topk, value, ids.dtype)
+    except OverflowError:  # -1 in an unsigned dtype: no row holds it
+        return np.zeros((tokens, layers), dtype=np.bool_)
+    width = topk * ids.itemsize
+    if ids.size == 0 or not ids.flags.c_contiguous or not (width in (1, 2, 4) or width % 8 == 0):
+        return (ids == value).all(axis=2)
+    word = np.dtype(f"u{min(width, 8)}")
+    words, want = ids.view(word), pattern.view(word)
+    equal = words[..., 0] == want[0]
+    for j in range(1, len(want)):
+        equal &= words[..., j] == want[j]
+    return equal
+
+
 def token_validity(
     present: np.ndarray, layer_numbers: Sequence[int], what: str, sample: Optional[int] = None
 ) -> np.ndarray:

@@ -20,6 +20,7 @@ import numpy as np
 from megatron_r3.dataplane.route_checks import (
     RoutingValidationError,
     check_integer_dtype,
+    rows_equal,
     token_validity,
     validate_routes,
 )
@@ -111,7 +112,7 @@ class RolloutRoutes:
             raise RoutingValidationError(f"routes must be [tokens, layers, topk], got shape {ids.shape}")
         no_route = None
         if valid is None:
-            no_route = (ids == -1).all(axis=2)
+            no_route = rows_equal(ids, -1)
             valid = ~no_route.any(axis=1)  # a token with -1 rows at some layers only is rejected below
         else:
             valid = np.ascontiguousarray(_as_numpy(valid), dtype=np.bool_)
@@ -128,8 +129,10 @@ class RolloutRoutes:
             token_validity(
                 ~no_route, layer_numbers, "no route (a row of -1) at this layer but routes at others", sample
             )
-        compact = np.where(valid[:, None, None], ids, 0).astype(id_dtype(num_experts))
-        return cls(np.ascontiguousarray(compact), valid, int(num_experts), layer_numbers)
+        compact = np.array(ids, dtype=id_dtype(num_experts), order="C")  # a copy: the caller's array stays theirs
+        if not valid.all():
+            compact[~valid] = 0
+        return cls(compact, valid, int(num_experts), layer_numbers)
 
     @classmethod
     def empty(cls, num_tokens: int, *, num_experts: int, topk: int, layer_numbers: Sequence[int]) -> "RolloutRoutes":

@@ -55,6 +55,11 @@ def token_id_array(values: Any, where: str, field: str, vocab_size: Optional[int
         return flat.astype(np.int64)
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
         raise SampleValueError(f"{where}: {field} must be a list of token ids, got {type(values).__name__}")
+    if isinstance(values, list) and set(map(type, values)) <= {int}:  # a JSON list: one pass in C, then bounds
+        try:
+            return token_id_array(np.array(values, dtype=np.int64), where, field, vocab_size)
+        except OverflowError:  # beyond int64: the loop below names it
+            pass
     out = np.empty(len(values), dtype=np.int64)
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -70,6 +75,22 @@ def logprob_value(value: Any, where: str, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise SampleValueError(f"{where}: {field} = {value!r} is not a number")
     return float(value)
+
+
+def logprob_array(values: Sequence[Any], where: str, field: str, first_token: int = 0, entry: str = "") -> np.ndarray:
+    """Log-probs as they come from an engine, one per token: numbers, finite and ``<= 0``, as float32.
+
+    Args:
+        values: The numbers (a list, as JSON or an engine gives them).
+        where, field, first_token: As for :func:`check_logprobs`; entry ``i`` is ``field[i]``.
+        entry: Where in ``field[i]`` the number is, for messages (``"[0]"``: SGLang's entries).
+    """
+    if set(map(type, values)) <= {float, int}:  # plain numbers: one pass in C
+        out = np.array(values, dtype=np.float32)
+    else:
+        out = np.array([logprob_value(v, where, f"{field}[{i}]{entry}") for i, v in enumerate(values)], np.float32)
+    check_logprobs(out, where, field, first_token=first_token)
+    return out
 
 
 def check_logprobs(logprobs: Sequence[float], where: str, field: str = "logprobs", first_token: int = 0) -> None:

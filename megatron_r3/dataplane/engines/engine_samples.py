@@ -82,7 +82,13 @@ from megatron_r3.dataplane.engines.adapters import (
     from_vllm_split,
 )
 from megatron_r3.dataplane.route_checks import RoutingValidationError
-from megatron_r3.dataplane.sample_checks import check_logprobs, logprob_value, loss_number, token_id_array
+from megatron_r3.dataplane.sample_checks import (
+    check_logprobs,
+    logprob_array,
+    logprob_value,
+    loss_number,
+    token_id_array,
+)
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 
@@ -532,9 +538,7 @@ def _number_logprobs(values: Any, count: int, where: str, field: str, first: int
             f"{where}: {field} has {len(values) if isinstance(values, (list, tuple)) else type(values).__name__} "
             f"entries for {count} tokens"
         )
-    out = np.array([logprob_value(v, where, f"{field}[{i}]") for i, v in enumerate(values)], np.float32)
-    check_logprobs(out, where, field, first_token=first)
-    return out
+    return logprob_array(values, where, field, first_token=first)
 
 
 @contextmanager
@@ -578,14 +582,18 @@ def _chosen_logprobs(positions: Any, token_ids: np.ndarray, where: str, field: s
     """
     if len(positions) != len(token_ids):
         raise RoutingValidationError(f"{where}: {field} has {len(positions)} positions for {len(token_ids)} tokens")
-    out = np.empty(len(token_ids), np.float32)
-    for i, (position, token) in enumerate(zip(positions, token_ids.tolist())):
-        entry = None if position is None else position.get(token)
-        if entry is None:
-            raise RoutingValidationError(
-                f"{where}: {field}[{i + offset}] has no entry for token {token}, the token at that position"
-            )
-        out[i] = logprob_value(getattr(entry, "logprob", None), where, f"{field}[{i + offset}][{token}].logprob")
+    tokens = token_ids.tolist()
+    entries = [None if position is None else position.get(token) for position, token in zip(positions, tokens)]
+    if None in entries:
+        i = entries.index(None)
+        raise RoutingValidationError(
+            f"{where}: {field}[{i + offset}] has no entry for token {tokens[i]}, the token at that position"
+        )
+    values = [getattr(entry, "logprob", None) for entry in entries]
+    if not set(map(type, values)) <= {float, int}:  # name the first entry that is not a number
+        for i, value in enumerate(values):
+            logprob_value(value, where, f"{field}[{i + offset}][{tokens[i]}].logprob")
+    out = np.array(values, np.float32)
     check_logprobs(out, where, field, first_token=first)
     return out
 
@@ -611,6 +619,8 @@ def _sglang_entries(entries: Any, where: str, field: str) -> list:
     if not isinstance(entries, list):
         raise RoutingValidationError(f"{where}: {field} must be a list of [logprob, token_id, text], "
                                      f"got {type(entries).__name__}")
+    if set(map(type, entries)) <= {list, tuple} and min(map(len, entries), default=2) >= 2:
+        return entries
     for i, entry in enumerate(entries):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise RoutingValidationError(f"{where}: {field}[{i}] must be [logprob, token_id, text], got {entry!r}")
@@ -625,16 +635,17 @@ def _sglang_logprobs(entries: Any, token_ids: np.ndarray, where: str, field: str
     entries = _sglang_entries(entries, where, field)
     if len(entries) != len(token_ids):
         raise RoutingValidationError(f"{where}: {field} has {len(entries)} entries for {len(token_ids)} tokens")
-    out = np.zeros(len(token_ids), np.float32)
-    for i, (entry, token) in enumerate(zip(entries, token_ids.tolist())):
-        if isinstance(entry[1], bool) or not isinstance(entry[1], int) or entry[1] != token:
-            raise RoutingValidationError(
-                f"{where}: {field}[{i}] is for token {entry[1]!r}, the sample has token {token} there"
-            )
-        if entry[0] is not None:
-            out[i] = logprob_value(entry[0], where, f"{field}[{i}][0]")
-    check_logprobs(out, where, field, first_token=first)
-    return out
+    tokens = [entry[1] for entry in entries]
+    expected = token_ids.tolist()
+    if tokens != expected or not set(map(type, tokens)) <= {int}:  # equal ints, or name the first that is not
+        for i, (token, want) in enumerate(zip(tokens, expected)):
+            if isinstance(token, bool) or not isinstance(token, int) or token != want:
+                raise RoutingValidationError(f"{where}: {field}[{i}] is for token {token!r}, the sample has token "
+                                             f"{want} there")
+    values = [entry[0] for entry in entries]
+    if None in values:  # the first prompt entry has none: 0
+        values = [0.0 if v is None else v for v in values]
+    return logprob_array(values, where, field, first_token=first, entry="[0]")
 
 
 def _count(meta_info: dict, key: str, where: str) -> int:

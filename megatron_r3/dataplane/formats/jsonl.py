@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+import orjson
+
 
 def json_line(raw: bytes, where: str, error: type[Exception]) -> Optional[object]:
     """The JSON value of one line (``None`` for a blank one).
@@ -16,7 +18,16 @@ def json_line(raw: bytes, where: str, error: type[Exception]) -> Optional[object
 
     Raises:
         error: the line is not UTF-8 text, or not JSON, with ``where`` and what was wrong.
+
+    orjson reads a line of strict JSON (a rollout line of 100 MB of base64 routes at memory
+    speed, 4x the standard library); the standard library reads what orjson refuses (NaN and
+    Infinity, which Python's ``json.dumps`` writes, integers beyond 64 bits), and names what
+    neither can read.
     """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as decode_error:
