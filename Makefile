@@ -6,7 +6,7 @@ MEGATRON ?=
 CPU ?=
 PYTEST_ARGS ?=
 
-.PHONY: check-megatron-lm install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
+.PHONY: check-megatron-lm megatron-lm-checkout megatron-rl-deps install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
@@ -15,6 +15,8 @@ help:
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), tools/dump_rollouts.py on one CPU core, Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
+	@echo "make megatron-lm-checkout [MEGATRON_GIT=repo]   build/megatron-lm: Megatron-LM main with both series (launch/train_rl_r3.sh)"
+	@echo "make megatron-rl-deps [WHEELHOUSE=dir]   train_rl.py's dependencies, pinned (requirements-megatron-rl.txt; Python >= 3.12)"
 	@echo "make check-megatron-lm [MEGATRON_GIT=repo] [MEGATRON_PYTHON=py]   git am --3way both series on Megatron-LM main, compile, collect tests/unit_tests/rl (docs/megatron_rl.md)"
 	@echo "make upstream-tests [UPSTREAM_BASE=0.19|main] [MEGATRON=checkout]   Megatron-LM's and the series' unit tests on the pristine and the patched core, side by side (build/upstream-tests[-main]; runs where CUDA is; docs/upstream_tests.md)"
 
@@ -73,6 +75,16 @@ MEGATRON_GIT ?= /work/.mirror/NVIDIA+Megatron-LM/repo
 MEGATRON_PYTHON ?=
 check-megatron-lm:
 	$(PYTHON) tools/megatron_lm_series.py check --megatron "$(MEGATRON_GIT)" $(if $(MEGATRON_PYTHON),--python "$(MEGATRON_PYTHON)")
+
+# build/megatron-lm: Megatron-LM main (the core series' main base) with both series, no .git
+# (what the example, the GPU test and bench.megatron_rl run; small enough to carry to a GPU node).
+megatron-lm-checkout:
+	$(PYTHON) tools/megatron_lm_series.py checkout --megatron "$(MEGATRON_GIT)" build/megatron-lm
+
+# What Megatron-LM's train_rl.py imports beyond megatron-core, pinned (Python >= 3.12: main uses
+# typing.override). WHEELHOUSE=dir installs offline.
+megatron-rl-deps: $(VPY)
+	$(VPY) -m pip install -q $(if $(WHEELHOUSE),--no-index --find-links "$(WHEELHOUSE)") -r requirements-megatron-rl.txt
 
 clean:
 	rm -rf build .venv megatron_r3/_C*.so *.egg-info

@@ -25,6 +25,9 @@
 # The venv gets its own `torchrun` (where torch comes from the host, the host's `torchrun`
 # belongs to another Python), so `source .venv/bin/activate` makes the README's commands work.
 #
+# Where torch has no CUDA, requirements-megatron-rl.txt is installed too (the CPU tests of the
+# train_rl.py example use it); a CUDA machine gets it from `make megatron-rl-deps`.
+#
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,8 +86,18 @@ step "pinned dependencies (requirements.txt)"
 "$VPY" -m pip install -q "${PIP_ARGS[@]}" -r requirements.txt \
   || die "could not install requirements.txt (offline? put the wheels in WHEELHOUSE)"
 
-step "TransformerEngine"
 cuda_major=$("$VPY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+
+step "Megatron-LM's train_rl.py dependencies (requirements-megatron-rl.txt)"
+if [ -z "$cuda_major" ]; then
+  # The CPU tests of the train_rl.py example (its assets, the RL loop's env loader) import them.
+  "$VPY" -m pip install -q "${PIP_ARGS[@]}" -r requirements-megatron-rl.txt \
+    || die "could not install requirements-megatron-rl.txt (offline? put the wheels in WHEELHOUSE)"
+else
+  echo "a CUDA machine: 'make megatron-rl-deps' installs them where the train_rl.py example runs"
+fi
+
+step "TransformerEngine"
 if [ -z "$cuda_major" ]; then
   echo "torch has no CUDA: no TransformerEngine (the launcher runs the local layers)"
 elif [ "${R3_WITHOUT_TE:-}" = 1 ]; then

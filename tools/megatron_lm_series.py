@@ -18,6 +18,10 @@ Commands:
                    on a scratch clone of Megatron-LM main: `git am --3way` of the core
                    series' main form, then of this series; byte-compile every file the series
                    touches; with --python, collect tests/unit_tests/rl with that interpreter.
+  checkout [--megatron GIT] DIR
+                   DIR: the files of Megatron-LM main (no .git, no functional tests, docs or
+                   images) with the core series' main form and this series applied: what
+                   launch/train_rl_r3.sh runs.
   workspace GIT DIR
                    DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
                    this series as commits: edit, commit, then 'export DIR'.
@@ -40,6 +44,7 @@ CORE_TAG = "core-r3"
 # The default Megatron-LM git repository for check: the fetched mirror of this workplace.
 DEFAULT_MEGATRON_GIT = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 RL_TESTS = "tests/unit_tests/rl"
+EXCLUDED = [":!tests/functional_tests", ":!docs", ":!images"]
 
 
 class SeriesError(RuntimeError):
@@ -148,41 +153,79 @@ def apply_series(tree, only_main=False):
     print(f"applied {len(files)} Megatron-LM patches to {tree}")
 
 
-def check_series(megatron_git, python=None):
-    """git am --3way of both series on a scratch clone of Megatron-LM main; compile; collect."""
-    files = series_files()
+def patched_clone(megatron_git, scratch):
+    """A clone of Megatron-LM main under ``scratch`` with the core series' main form (tagged
+    core-r3) and this series as commits (``git am --3way``); returns it and the base commit."""
     core_files, commit = core_main_form()
+    repo = Path(scratch) / "Megatron-LM"
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(megatron_git), str(repo)], check=True)
+    git(repo, "checkout", "-q", "-b", "megatron-lm-r3", commit)
+    am(repo, core_files, "core series, main form")
+    git(repo, "tag", "-f", CORE_TAG)
+    am(repo, series_files(), "Megatron-LM series")
+    return repo, commit
+
+
+def collect_rl_tests(repo, python):
+    """The test ids ``pytest --collect-only`` finds under tests/unit_tests/rl of ``repo``'s work tree."""
+    proc = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", RL_TESTS],
+                          cwd=repo, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SeriesError(f"{RL_TESTS} does not collect in {repo}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
+    return [line for line in proc.stdout.splitlines() if "::" in line]
+
+
+def check_series(megatron_git, python=None):
+    """git am --3way of both series on a scratch clone of Megatron-LM main; compile; with ``python``,
+    collect the RL unit tests pristine (the base commit) and patched."""
+    files = series_files()
     with tempfile.TemporaryDirectory() as scratch:
-        repo = Path(scratch) / "Megatron-LM"
-        subprocess.run(["git", "clone", "-q", "--no-checkout", str(megatron_git), str(repo)], check=True)
-        git(repo, "checkout", "-q", commit)
-        am(repo, core_files, "core series, main form")
-        am(repo, files, "Megatron-LM series")
-        print(f"ok  git am --3way: {len(core_files)} core and {len(files)} Megatron-LM patches on {commit[:10]}")
+        repo, commit = patched_clone(megatron_git, scratch)
+        print(f"ok  git am --3way: the core series' main form and {len(files)} Megatron-LM patches on {commit[:10]}",
+              flush=True)
         sources = [name for name in touched_files(files) if name.endswith(".py")]
         proc = subprocess.run([sys.executable, "-m", "py_compile", *sources], cwd=repo,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise SeriesError(f"the patched files do not compile:\n{proc.stderr}")
-        print(f"ok  {len(sources)} patched Python files compile")
+        print(f"ok  {len(sources)} patched Python files compile", flush=True)
         if python is not None:
-            proc = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                   RL_TESTS], cwd=repo, capture_output=True, text=True)
-            tail = "\n".join(proc.stdout.splitlines()[-3:])
-            if proc.returncode != 0:
-                raise SeriesError(f"{RL_TESTS} does not collect on the patched tree:\n{proc.stdout[-4000:]}"
-                                  f"{proc.stderr[-2000:]}")
-            print(f"ok  {RL_TESTS} collects on the patched tree: {tail}")
+            patched = collect_rl_tests(repo, python)
+            git(repo, "checkout", "-q", commit)
+            pristine = collect_rl_tests(repo, python)
+            lost = sorted(set(pristine) - set(patched))
+            if lost:
+                raise SeriesError(f"{RL_TESTS}: the patched tree loses {len(lost)} tests the pristine one "
+                                  f"collects, first {lost[:5]}")
+            print(f"ok  {RL_TESTS} collects {len(pristine)} tests pristine and {len(patched)} patched "
+                  "(every pristine one among them)")
+
+
+def make_checkout(megatron_git, out):
+    """``out``: Megatron-LM main's files with both series, without git history (unpacked beside
+    ``out``, then renamed into place)."""
+    out = Path(out).resolve()
+    if out.exists():
+        raise SeriesError(f"{out} exists: remove it first")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryDirectory(dir=out.parent) as staging:
+        repo, commit = patched_clone(megatron_git, scratch)
+        # Without the functional tests, docs and images (50 MB of the 69): small enough to carry.
+        archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "--", ".", *EXCLUDED], cwd=repo,
+                                 capture_output=True, check=True)
+        tree = Path(staging) / out.name
+        tree.mkdir()
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        tree.rename(out)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"Megatron-LM {commit[:10]} with both series at {out} ({size / 2**20:.0f} MiB)")
 
 
 def make_workspace(megatron_git, out):
-    out = Path(out)
-    core_files, commit = core_main_form()
-    subprocess.run(["git", "clone", "-q", "--no-checkout", str(megatron_git), str(out)], check=True)
-    git(out, "checkout", "-q", "-b", "megatron-lm-r3", commit)
-    am(out, core_files, "core series, main form")
-    git(out, "tag", "-f", CORE_TAG)
-    am(out, series_files(), "Megatron-LM series")
+    with tempfile.TemporaryDirectory() as scratch:
+        repo, _ = patched_clone(megatron_git, scratch)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(repo), out)
     print(f"workspace ready at {out}: edit, commit, then 'tools/megatron_lm_series.py export {out}'")
 
 
@@ -225,6 +268,9 @@ def main(argv=None):
     workspace = sub.add_parser("workspace")
     workspace.add_argument("megatron_git")
     workspace.add_argument("out")
+    checkout = sub.add_parser("checkout")
+    checkout.add_argument("--megatron", default=DEFAULT_MEGATRON_GIT, help="a Megatron-LM git repository")
+    checkout.add_argument("out")
     sub.add_parser("export").add_argument("repo")
     ext = sub.add_parser("extract")
     ext.add_argument("path")
@@ -235,6 +281,8 @@ def main(argv=None):
             apply_series(args.checkout, args.only_main)
         elif args.command == "check":
             check_series(args.megatron, args.python)
+        elif args.command == "checkout":
+            make_checkout(args.megatron, args.out)
         elif args.command == "workspace":
             make_workspace(args.megatron_git, args.out)
         elif args.command == "export":

@@ -2,6 +2,7 @@
 """Download everything `make install` needs on an offline CUDA machine into one folder.
 
     python tools/wheelhouse.py OUT [--python-version 3.12] [--cuda-major 13] [--platform manylinux_2_28_x86_64]
+                                   [--megatron-rl]
     WHEELHOUSE=OUT make install            # then, on the GPU node
 
 The folder gets, for the node's Python and CUDA major: the wheels of requirements.txt,
@@ -9,7 +10,8 @@ requirements-te.txt and requirements-fa4.txt (FlashAttention-4 and its CuTe DSL)
 core and meta wheels, and the two sdists `make install` builds there (megatron-core, which it
 patches, and transformer_engine_torch, built against the node's torch). Every pin comes from those
 files, tools/install.sh and tools/patch_series.py; nothing else is resolved. The node's own torch is
-reused, so no torch is downloaded. Files already in OUT are kept.
+reused, so no torch is downloaded. Files already in OUT are kept. With --megatron-rl, also the
+wheels of requirements-megatron-rl.txt (Megatron-LM's train_rl.py example: `make megatron-rl-deps`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -76,18 +79,36 @@ def megatron_core_base() -> tuple[str, str]:
     return output[0], output[1]
 
 
+def wheel_pins(cuda_major: str, megatron_rl: bool) -> list[str]:
+    """Every wheel's ``name==version`` for a node whose torch has CUDA ``cuda_major``."""
+    te = te_version()
+    wheels = (pins(ROOT / "requirements.txt") + pins(ROOT / "requirements-te.txt")
+              + fa4_requirements(cuda_major)
+              + [f"transformer_engine_cu{cuda_major}=={te}", f"transformer_engine=={te}"])
+    if megatron_rl:
+        wheels += pins(ROOT / "requirements-megatron-rl.txt")
+    # A package two files pin (pydantic: TE's and train_rl.py's) is downloaded once; they must agree.
+    versions = {}
+    for pin in wheels:
+        name, version = pin.split("==")
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if versions.setdefault(key, (pin, version))[1] != version:
+            raise SystemExit(f"wheelhouse: {versions[key][0]} and {pin} are pinned in two requirements files")
+    return [pin for pin, _ in versions.values()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--python-version", default="3.12", help="the GPU node's Python (default 3.12)")
     parser.add_argument("--cuda-major", default="13", help="the CUDA major of the node's torch (default 13)")
     parser.add_argument("--platform", default="manylinux_2_28_x86_64")
+    parser.add_argument("--megatron-rl", action="store_true",
+                        help="also requirements-megatron-rl.txt (make megatron-rl-deps)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     te = te_version()
-    wheels = (pins(ROOT / "requirements.txt") + pins(ROOT / "requirements-te.txt")
-              + fa4_requirements(args.cuda_major)
-              + [f"transformer_engine_cu{args.cuda_major}=={te}", f"transformer_engine=={te}"])
+    wheels = wheel_pins(args.cuda_major, args.megatron_rl)
     print(f"wheelhouse: {len(wheels)} wheels for Python {args.python_version}, CUDA {args.cuda_major}", flush=True)
     download_wheels(wheels, args.out, args.python_version, args.platform)
     base, _ = megatron_core_base()

@@ -1,0 +1,126 @@
+"""Megatron-LM's train_rl.py with and without routing replay: k3 and step time (GPU).
+
+    MEGATRON=build/megatron-lm python -m bench.megatron_rl --nproc 1 --out build/bench/megatron-rl-np1.md
+
+Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small random-init MoE):
+
+* once (``--k3``, the default) with ``--moe-enable-routing-replay --rl-routing-replay-metrics`` for ``--iters``
+  iterations: every rollout collection logs the train/inference mismatch of the same rollouts
+  with replay and routing live (``routing replay | iteration N | k3_replay ... | k3_live ...``),
+  so the two k3 means come from one run, side by side;
+* then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none),
+  ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
+  iterations after ``--skip`` (start-up, graph capture), replay's mean over live's.
+
+Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
+without. Writes a Markdown report with the device, the commands (each with its wall time) and
+the numbers. One device call runs at most 10 minutes: ``--no-k3`` and ``--rounds 0`` split the
+work across calls (docs/megatron_rl.md, "On a GPU node").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "launch" / "train_rl_r3.sh"
+METRICS_LINE = re.compile(r"routing replay \| iteration (\d+) \| (.*)$")
+STEP_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+
+
+def replay_metrics(log: str) -> list[dict]:
+    """Every ``routing replay | iteration N | name value | ...`` line of a train_rl.py log."""
+    out = []
+    for line in log.splitlines():
+        match = METRICS_LINE.search(line)
+        if match:
+            fields = dict(part.rsplit(" ", 1) for part in match.group(2).split(" | "))
+            out.append({"iteration": int(match.group(1)), **{k: float(v) for k, v in fields.items()}})
+    return out
+
+
+def step_times(log: str, skip: int) -> list[float]:
+    """Megatron's elapsed time per iteration (ms) of the iterations after ``skip``."""
+    return [float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip]
+
+
+def run(out: Path, nproc: int, iters: int, replay: bool, metrics: bool, tag: str) -> tuple[str, str, float]:
+    """One run of the example; its command as the report prints it, its log and its wall time."""
+    env = dict(os.environ, NPROC=str(nproc), ITERS=str(iters), REPLAY=str(int(replay)), METRICS=str(int(metrics)))
+    command = f"NPROC={nproc} ITERS={iters} REPLAY={int(replay)} METRICS={int(metrics)} {SCRIPT.relative_to(ROOT)} {out / tag}"
+    print(f"$ {command}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(["bash", str(SCRIPT), str(out / tag)], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        sys.exit(f"bench.megatron_rl: {command} failed (exit {proc.returncode}):\n{log[-6000:]}")
+    print(f"  {wall:.0f} s", flush=True)
+    return command, log, wall
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
+    parser.add_argument("--iters", type=int, default=50, help="iterations per run (>= 50 for the targets)")
+    parser.add_argument("--k3", action=argparse.BooleanOptionalAction, default=True,
+                        help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
+    parser.add_argument("--rounds", type=int, default=2, help="replay/live pairs of step-time runs (0: none)")
+    parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
+    parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
+    parser.add_argument("--out", type=Path, required=True, help="the Markdown report")
+    args = parser.parse_args(argv)
+    if "MEGATRON" not in os.environ:
+        sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
+    import torch
+
+    if torch.cuda.device_count() < args.nproc:
+        sys.exit(f"bench.megatron_rl: --nproc {args.nproc} needs as many GPUs; {torch.cuda.device_count()} visible")
+    device = torch.cuda.get_device_name()
+    flags = f"--nproc {args.nproc} --iters {args.iters} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
+    report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
+              f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
+              "runs, in order:", ""]
+    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
+    notes = []
+    if args.k3:
+        command, log, wall = run(args.runs, args.nproc, args.iters, replay=True, metrics=True, tag="metrics")
+        report.append(f"    {command}    # {wall:.0f} s")
+        rows = replay_metrics(log)
+        if not rows:
+            sys.exit("bench.megatron_rl: the replay run logged no 'routing replay | ...' line")
+        k3_replay = statistics.fmean(r["k3_replay"] for r in rows)
+        k3_live = statistics.fmean(r["k3_live"] for r in rows)
+        table.append(f"| mean k3 over {len(rows)} collections (same rollouts) | {k3_replay:.3e} | {k3_live:.3e} | "
+                     f"{k3_replay / k3_live:.3f} | <= 0.1 |")
+        notes.append(f"Agreement of the trainer's router with the engine's routes: "
+                     f"{statistics.fmean(r['agreement'] for r in rows):.3f} (routes moved one token: "
+                     f"{statistics.fmean(r['agreement_moved_one_token'] for r in rows):.3f}); routes the forward "
+                     f"did not take: {sum(r['routes_used_differ'] for r in rows):.0f}; routed fraction "
+                     f"{min(r['routed_fraction'] for r in rows):.4f} at least.")
+    times = {True: [], False: []}
+    for round_index in range(args.rounds):
+        for replay in (True, False):
+            command, log, wall = run(args.runs, args.nproc, args.iters, replay, metrics=False,
+                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}")
+            report.append(f"    {command}    # {wall:.0f} s")
+            times[replay] += step_times(log, args.skip)
+    if args.rounds:
+        replay_ms, live_ms = statistics.fmean(times[True]), statistics.fmean(times[False])
+        table.append(f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations) | "
+                     f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |")
+    report += ["", *table, "", *notes, ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(report))
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

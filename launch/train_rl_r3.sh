@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Megatron-LM's own GRPO loop (train_rl.py) with rollout routing replay, offline, on 1 or 2 GPUs.
+#
+#   MEGATRON=/path/to/Megatron-LM launch/train_rl_r3.sh [OUT]
+#
+# MEGATRON: a Megatron-LM main checkout with both series (make patch MEGATRON=...).
+# OUT (default runs/train_rl_r3): assets (launch/megatron_rl_assets.py), checkpoints, logs.
+# Environment: NPROC (GPUs, default 1), ITERS (train iterations, default 50), REPLAY (1: replay,
+# 0: route live; default 1), METRICS (1: --rl-routing-replay-metrics, default 1 with REPLAY=1),
+# EXTRA_ARGS (more train_rl.py flags), PYTHON (Python >= 3.12, which Megatron-LM main needs;
+# default: this repository's .venv/bin/python, else python3; train_rl.py's dependencies: make
+# megatron-rl-deps). The model: qwen3_30b_a3b_moe.sh's architecture (RMSNorm, SwiGLU, QK-norm,
+# GQA, RoPE, aux-loss router, alltoall dispatcher, every layer MoE), shrunk to 4 layers, hidden
+# 512, 32 experts top-4, random init. docs/megatron_rl.md.
+set -euo pipefail
+
+: "${MEGATRON:?set MEGATRON to a Megatron-LM main checkout with both series (make patch MEGATRON=...)}"
+refuse() { echo "train_rl_r3.sh: $*" >&2; exit 2; }
+[ -d "$MEGATRON" ] || refuse "MEGATRON=$MEGATRON is not a folder"
+MEGATRON=$(cd "$MEGATRON" && pwd)
+[ -f "$MEGATRON/train_rl.py" ] || refuse "$MEGATRON has no train_rl.py: not a Megatron-LM main checkout"
+[ -f "$MEGATRON/megatron/rl/routing_replay.py" ] \
+  || refuse "$MEGATRON lacks the Megatron-LM series: make patch MEGATRON=$MEGATRON (or make megatron-lm-checkout)"
+HERE=$(cd "$(dirname "$0")" && pwd)
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python3
+  [ -x "$HERE/../.venv/bin/python" ] && PYTHON=$HERE/../.venv/bin/python
+fi
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+  || refuse "$PYTHON is not Python >= 3.12 (Megatron-LM main imports typing.override): set PYTHON"
+OUT=$(mkdir -p "${1:-runs/train_rl_r3}" && cd "${1:-runs/train_rl_r3}" && pwd)
+NPROC=${NPROC:-1}
+ITERS=${ITERS:-50}
+REPLAY=${REPLAY:-1}
+METRICS=${METRICS:-$REPLAY}
+
+# Nothing is downloaded: the tokenizer and the tasks are made here, HuggingFace stays offline.
+export HF_HOME="$OUT/hf" HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+[ -f "$OUT/assets/countdown.yaml" ] || "$PYTHON" "$HERE/megatron_rl_assets.py" "$OUT/assets"
+
+REPLAY_ARGS=()
+[ "$REPLAY" = 1 ] && REPLAY_ARGS+=(--moe-enable-routing-replay)
+[ "$METRICS" = 1 ] && REPLAY_ARGS+=(--rl-routing-replay-metrics)
+
+MODEL_ARGS=(
+  --num-layers 4 --hidden-size 512 --ffn-hidden-size 1536 --num-attention-heads 8 --kv-channels 64
+  --group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-6
+  --position-embedding-type rope --rotary-percent 1.0 --rotary-base 1000000 --use-rotary-position-embeddings
+  --swiglu --disable-bias-linear --qk-layernorm --untie-embeddings-and-output-weights
+  --max-position-embeddings 1024 --make-vocab-size-divisible-by 128
+  --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 128 --moe-layer-freq 1
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001 --moe-token-dispatcher-type alltoall
+  --attention-dropout 0.0 --hidden-dropout 0.0 --attention-softmax-in-fp32 --no-masked-softmax-fusion
+  --bf16 --transformer-impl transformer_engine --attention-backend flash --te-rng-tracker
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$OUT/assets/tokenizer"
+)
+RL_ARGS=(
+  --perform-rl-step --langrl-env-config "$OUT/assets/countdown.yaml"
+  --seq-length 512 --inference-max-seq-length 512 --inference-max-requests 32
+  --micro-batch-size 1 --global-batch-size 32 --grpo-group-size 4 --grpo-prompts-per-step 8
+  --grpo-iterations 1 --grpo-kl-beta 0.0 --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.2
+  --rl-use-sequence-packing --rl-skip-bos-token
+  --cuda-graph-impl local --inference-dynamic-batching-num-cuda-graphs 1
+  --inference-dynamic-batching-buffer-size-gb 4
+)
+TRAIN_ARGS=(
+  --train-iters "$ITERS" --lr 1e-6 --min-lr 1e-7 --lr-warmup-samples 0 --clip-grad 1.0 --weight-decay 0.01
+  --optimizer adam --adam-beta1 0.9 --adam-beta2 0.999 --adam-eps 1e-8 --seed 1234
+  --mock-data --log-interval 1 --eval-interval 100000 --eval-iters 0 --save-interval 100000
+  --save "$OUT/checkpoints" --tensorboard-dir "$OUT/tensorboard" --distributed-timeout-minutes 30
+)
+
+cd "$MEGATRON"
+"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" train_rl.py \
+  "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" ${EXTRA_ARGS:-} \
+  2>&1 | tee "$OUT/train_rl-replay$REPLAY-np$NPROC.log"

@@ -1,0 +1,198 @@
+"""The train_rl.py example's CPU side: the checkout it runs, its offline assets, its launch script.
+
+``make megatron-lm-checkout`` needs a Megatron-LM git repository (MEGATRON_GIT, default the
+fetched mirror of tools/megatron_lm_series.py); the tests that read the checkout skip where none
+is. What train_rl.py reads of the assets (the env config through ``WeightedMultiTask``, the
+countdown set through ``CountdownAgent``, its rewards) runs in a subprocess with the checkout on
+``sys.path``: its ``megatron`` package is Megatron-LM main's, not the installed core. Those
+modules import on Python 3.11; ``megatron.rl.rl_utils`` and ``train_rl.py`` do not (Megatron-LM
+main: ``typing.override``; docs/megatron_rl.md, "Dependencies").
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.support.megatron_lm import ROOT, _series_tool
+
+tool = _series_tool()
+SCRIPT = ROOT / "launch" / "train_rl_r3.sh"
+MEGATRON_GIT = Path(os.environ.get("MEGATRON_GIT", tool.DEFAULT_MEGATRON_GIT))
+# What a checkout may weigh to travel to a GPU node with the repository (64 MiB a call there).
+CHECKOUT_MIB = 40
+
+sys.path.insert(0, str(ROOT / "launch"))
+import megatron_rl_assets  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    if not (MEGATRON_GIT / "HEAD").is_file() and not (MEGATRON_GIT / ".git").exists():
+        pytest.skip(f"no Megatron-LM git repository at {MEGATRON_GIT} (set MEGATRON_GIT)")
+    out = tmp_path_factory.mktemp("checkout") / "megatron-lm"
+    tool.make_checkout(MEGATRON_GIT, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    out = tmp_path_factory.mktemp("assets") / "assets"
+    assert megatron_rl_assets.main([str(out)]) == 0
+    return out
+
+
+def run_in_checkout(checkout, code, tmp_path):
+    """``code`` in a fresh interpreter in the checkout (its megatron package first), offline."""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(checkout))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], cwd=checkout, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_checkout_has_both_series_is_small_and_compiles(checkout):
+    size = sum(f.stat().st_size for f in checkout.rglob("*") if f.is_file())
+    assert size < CHECKOUT_MIB * 2**20, f"{size / 2**20:.0f} MiB"
+    assert not (checkout / ".git").exists()
+    core_files, _ = tool.core_main_form()
+    for last in (core_files[-1], tool.series_files()[-1]):  # applied: each series' last patch reverses
+        proc = subprocess.run(["git", "apply", "--check", "--reverse", str(last)], cwd=checkout,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, f"{last.name} is not applied: {proc.stderr}"
+    sources = [checkout / "train_rl.py", *sorted((checkout / "megatron" / "rl").rglob("*.py"))]
+    assert len(sources) > 20
+    for path in sources:
+        compile(path.read_text(), str(path), "exec")
+
+
+def test_the_checkout_refuses_an_existing_folder(tmp_path):
+    (tmp_path / "megatron-lm").mkdir()
+    with pytest.raises(tool.SeriesError, match="exists: remove it first"):
+        tool.make_checkout(MEGATRON_GIT, tmp_path / "megatron-lm")
+
+
+def test_countdown_solutions_reach_their_targets_with_each_number_once():
+    rows, solutions = megatron_rl_assets.countdown_rows(500, seed=3)
+    assert set(rows) == {"target", "nums"}  # CountdownAgent.make_prefix(**row) takes exactly these
+    for target, nums, solution in zip(rows["target"], rows["nums"], solutions):
+        assert 3 <= len(nums) <= 4 and all(1 <= n <= 99 for n in nums)
+        assert 0 < target < 1000 and eval(solution) == target  # noqa: S307 (our own expressions)
+        assert sorted(int(t) for t in solution.replace("(", " ").replace(")", " ").split() if t.isdigit()) \
+            == sorted(nums)
+
+
+def test_the_tokenizer_loads_offline_and_renders_the_chat(assets, tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    code = f"""
+        import json
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained({str(assets / "tokenizer")!r})
+        text = "Using the numbers [3, 5], create 8.\\n<answer> (3 + 5) </answer>"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        chat = tok.apply_chat_template([{{"role": "user", "content": "3 5 -> 8"}}], tokenize=False,
+                                       add_generation_prompt=True)
+        print(json.dumps({{"len": len(tok), "ids": len(ids), "text": len(text), "back": tok.decode(ids),
+                          "chat": chat, "eos": tok.eos_token, "pad": tok.pad_token}}))
+    """
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["len"] == 102 and out["ids"] == out["text"]  # one token per character
+    assert out["back"] == "Using the numbers [3, 5], create 8.\n<answer> (3 + 5) </answer>"
+    assert out["chat"] == "<|user|>3 5 -> 8<|end|><|assistant|>"
+    assert (out["eos"], out["pad"]) == ("<|end|>", "<|pad|>")
+
+
+def test_the_env_config_loads_as_train_rl_reads_it_and_known_answers_get_their_rewards(checkout, assets,
+                                                                                        tmp_path):
+    rows, solutions = megatron_rl_assets.countdown_rows(megatron_rl_assets.COUNTDOWN_ROWS)
+    sample = [0, 1, 2, 327679, 327680, megatron_rl_assets.COUNTDOWN_ROWS - 1]
+    cases = [{"golden": {"target": rows["target"][i], "nums": rows["nums"][i]}, "solution": solutions[i]}
+             for i in sample]
+    # rl_utils.get_agent: yaml.safe_load of --langrl-env-config, then WeightedMultiTask.from_config.
+    out = run_in_checkout(checkout, f"""
+        import asyncio, json, random, yaml
+        from megatron.rl.agent.weighted_multi_task import WeightedMultiTask
+        with open({str(assets / "countdown.yaml")!r}) as f:
+            tasks = WeightedMultiTask.from_config(yaml.safe_load(f))
+        agent = tasks.agents[0]
+        random.seed(0)
+        prompt, golden = asyncio.run(agent.get_prompt())
+        rows = [agent.dataset[i] for i in {sample!r}]
+        rewards = []
+        for case in {cases!r}:
+            g, s = case["golden"], case["solution"]
+            rewards.append([asyncio.run(agent.get_reward(r, g, "stop")) for r in (
+                f"<answer> {{s}} </answer>", f"<answer> {{s}} + 0 </answer>", f"<answer> ({{s}}) * 1 </answer>",
+                f"<answer> {{g['target']}} </answer>", s)])
+        print(json.dumps({{"agent": type(agent).__name__, "rows": len(agent.dataset), "prompt": prompt,
+                          "golden": golden, "sample": rows, "train": len(agent.get_dataset()),
+                          "validation": len(agent.get_dataset(validation=True)), "rewards": rewards}}))
+    """, tmp_path)
+    assert out["agent"] == "CountdownAgent" and out["rows"] == megatron_rl_assets.COUNTDOWN_ROWS
+    assert (out["train"], out["validation"]) == (327680, 1024)
+    assert out["sample"] == [case["golden"] for case in cases]
+    assert f"Using the numbers {out['golden']['nums']}, create an equation that equals {out['golden']['target']}" \
+        in out["prompt"]
+    # Right: 1; a number not given or used twice, or the bare target: the format score 0.1;
+    # no <answer> tags: 0.
+    assert out["rewards"] == [[1.0, 0.1, 0.1, 0.1, 0]] * len(cases)
+
+
+def launch(env, tmp_path):
+    return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_launch_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON"}
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "set MEGATRON to a Megatron-LM main checkout" in proc.stderr
+
+    proc = launch({"MEGATRON": str(tmp_path / "nowhere")}, tmp_path)
+    assert proc.returncode == 2 and "is not a folder" in proc.stderr
+
+    tree = tmp_path / "Megatron-LM"
+    (tree / "megatron" / "rl").mkdir(parents=True)
+    proc = launch({"MEGATRON": str(tree)}, tmp_path)
+    assert proc.returncode == 2 and "has no train_rl.py" in proc.stderr
+
+    (tree / "train_rl.py").write_text("")  # a pristine checkout: no megatron/rl/routing_replay.py
+    proc = launch({"MEGATRON": str(tree)}, tmp_path)
+    assert proc.returncode == 2 and "lacks the Megatron-LM series: make patch MEGATRON=" in proc.stderr
+
+    (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
+    old_python = tmp_path / "python3.11"  # answers the version check as Python 3.11 does
+    old_python.write_text("#!/bin/sh\nexit 1\n")
+    old_python.chmod(0o755)
+    proc = launch({"MEGATRON": str(tree), "PYTHON": str(old_python)}, tmp_path)
+    assert proc.returncode == 2 and "is not Python >= 3.12 (Megatron-LM main imports typing.override)" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing made before the refusals
+
+
+def test_the_bench_reads_the_series_metrics_line_and_megatrons_step_times(rr):
+    from bench.megatron_rl import replay_metrics, step_times
+
+    metrics = {"k3_replay": 2.5e-4, "k3_live": 3.1e-3, "agreement": 0.91, "routes_used_differ": 0.0,
+               "agreement_moved_one_token": 0.12, "routed_fraction": 1.0, "rows_without_routes": 0.0}
+    # Megatron's training_log line (megatron/training/training.py), as train_rl.py prints it.
+    step = (" [2026-11-28 10:00:00.000000] iteration {:8d}/{:8d} | consumed samples: {:12d} | "
+            "elapsed time per iteration (ms): {:.1f} | learning rate: 1.000000E-06 |")
+    log = "\n".join([step.format(1, 50, 32, 9000.0), "[rank0]: " + rr.format_metrics(1, metrics),
+                     step.format(2, 50, 64, 1200.5), rr.format_metrics(2, {**metrics, "k3_live": 1e-3}),
+                     step.format(3, 50, 96, 1100.0)])
+    rows = replay_metrics(log)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[0] == {"iteration": 1, **metrics} and rows[1]["k3_live"] == 1e-3
+    assert step_times(log, skip=1) == [1200.5, 1100.0]
