@@ -196,3 +196,28 @@ def test_the_bench_reads_the_series_metrics_line_and_megatrons_step_times(rr):
     assert [r["iteration"] for r in rows] == [1, 2]
     assert rows[0] == {"iteration": 1, **metrics} and rows[1]["k3_live"] == 1e-3
     assert step_times(log, skip=1) == [1200.5, 1100.0]
+
+
+def test_the_wheelhouse_takes_train_rl_s_pins_on_request_one_version_each():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import wheelhouse
+
+    rl = wheelhouse.pins(ROOT / "requirements-megatron-rl.txt")
+    without, with_rl = wheelhouse.wheel_pins("13", False), wheelhouse.wheel_pins("13", True)
+    names = [pin.split("==")[0].lower().replace("_", "-") for pin in with_rl]
+    assert len(names) == len(set(names))  # pydantic & co., pinned for TE too, come once
+    assert set(without) < set(with_rl) and {"datasets==5.0.1", "transformers==5.14.1"} <= set(with_rl)
+    shared = {p.split("==")[0].lower().replace("_", "-") for p in rl} & {n for n in names[:len(without)]}
+    assert shared  # the overlap exists, and every shared package has one version across the files
+    assert len(with_rl) == len(without) + len(rl) - len(shared)
+
+
+def test_the_wheelhouse_refuses_two_versions_of_one_package(monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import wheelhouse
+
+    real = wheelhouse.pins
+    monkeypatch.setattr(wheelhouse, "pins", lambda path: real(path) + (
+        ["Pydantic==1.0"] if path.name == "requirements-megatron-rl.txt" else []))
+    with pytest.raises(SystemExit, match="pydantic==.* and Pydantic==1.0 are pinned in two requirements files"):
+        wheelhouse.wheel_pins("13", True)
