@@ -10,13 +10,13 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
-	@echo "make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS=...]   download what make install needs on an offline CUDA node (tools/wheelhouse.py)"
+	@echo "make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS=...]   download what make install needs on an offline CUDA node (tools/wheelhouse.py; --megatron-rl, --parts MIB)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
 	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), tools/dump_rollouts.py on one CPU core, Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; build/bench/"
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
 	@echo "make megatron-lm-checkout [MEGATRON_GIT=repo]   build/megatron-lm: Megatron-LM main with both series (launch/train_rl_r3.sh)"
-	@echo "make megatron-rl-deps [WHEELHOUSE=dir]   train_rl.py's dependencies, pinned (requirements-megatron-rl.txt; Python >= 3.12)"
+	@echo "make megatron-rl-deps [WHEELHOUSE=dir]   train_rl.py's dependencies, pinned (requirements-megatron-rl.txt; make install installs them where torch has no CUDA)"
 	@echo "make check-megatron-lm [MEGATRON_GIT=repo] [MEGATRON_PYTHON=py]   git am --3way both series on Megatron-LM main, compile, collect tests/unit_tests/rl (docs/megatron_rl.md)"
 	@echo "make upstream-tests [UPSTREAM_BASE=0.19|main] [MEGATRON=checkout]   Megatron-LM's and the series' unit tests on the pristine and the patched core, side by side (build/upstream-tests[-main]; runs where CUDA is; docs/upstream_tests.md)"
 
@@ -81,8 +81,9 @@ check-megatron-lm:
 megatron-lm-checkout:
 	$(PYTHON) tools/megatron_lm_series.py checkout --megatron "$(MEGATRON_GIT)" build/megatron-lm
 
-# What Megatron-LM's train_rl.py imports beyond megatron-core, pinned (Python >= 3.12: main uses
-# typing.override). WHEELHOUSE=dir installs offline.
+# What Megatron-LM's train_rl.py imports beyond megatron-core, pinned; make install installs them
+# where torch has no CUDA (the example's CPU tests), this on a CUDA node. WHEELHOUSE=dir: offline
+# (make wheelhouse WHEELHOUSE_ARGS=--megatron-rl downloads them).
 megatron-rl-deps: $(VPY)
 	$(VPY) -m pip install -q $(if $(WHEELHOUSE),--no-index --find-links "$(WHEELHOUSE)") -r requirements-megatron-rl.txt
 

@@ -2,7 +2,7 @@
 """Download everything `make install` needs on an offline CUDA machine into one folder.
 
     python tools/wheelhouse.py OUT [--python-version 3.12] [--cuda-major 13] [--platform manylinux_2_28_x86_64]
-                                   [--megatron-rl]
+                                   [--megatron-rl] [--parts MIB]
     WHEELHOUSE=OUT make install            # then, on the GPU node
 
 The folder gets, for the node's Python and CUDA major: the wheels of requirements.txt,
@@ -12,6 +12,8 @@ patches, and transformer_engine_torch, built against the node's torch). Every pi
 files, tools/install.sh and tools/patch_series.py; nothing else is resolved. The node's own torch is
 reused, so no torch is downloaded. Files already in OUT are kept. With --megatron-rl, also the
 wheels of requirements-megatron-rl.txt (Megatron-LM's train_rl.py example: `make megatron-rl-deps`).
+With --parts MIB, the files are also laid out (hard links) in OUT/part-1, OUT/part-2, ... of at most
+MIB each, for a node reached by transfers of limited size: copy every part into one folder there.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -97,6 +101,30 @@ def wheel_pins(cuda_major: str, megatron_rl: bool) -> list[str]:
     return [pin for pin, _ in versions.values()]
 
 
+def split_parts(out: Path, limit: int) -> list[Path]:
+    """Hard links of the files of ``out`` in ``out/part-N`` folders of at most ``limit`` bytes each
+    (first fit, largest first; a larger file gets a part of its own)."""
+    for old in out.glob("part-*"):
+        shutil.rmtree(old)
+    parts: list[tuple[int, list[Path]]] = []
+    for path in sorted((f for f in out.iterdir() if f.is_file()), key=lambda f: (-f.stat().st_size, f.name)):
+        size = path.stat().st_size
+        for index, (used, files) in enumerate(parts):
+            if used + size <= limit:
+                parts[index] = (used + size, files + [path])
+                break
+        else:
+            parts.append((size, [path]))
+    folders = []
+    for number, (_, files) in enumerate(parts, start=1):
+        folder = out / f"part-{number}"
+        folder.mkdir()
+        for path in files:
+            os.link(path, folder / path.name)
+        folders.append(folder)
+    return folders
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -105,6 +133,8 @@ def main() -> None:
     parser.add_argument("--platform", default="manylinux_2_28_x86_64")
     parser.add_argument("--megatron-rl", action="store_true",
                         help="also requirements-megatron-rl.txt (make megatron-rl-deps)")
+    parser.add_argument("--parts", type=int, metavar="MIB",
+                        help="also lay the files out in OUT/part-N folders of at most MIB each")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     te = te_version()
@@ -116,6 +146,10 @@ def main() -> None:
         print(f"wheelhouse: sdist {download_sdist(name, version, args.out).name}", flush=True)
     total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"wheelhouse: {args.out} holds {total / 2**20:.0f} MiB; on the node: WHEELHOUSE={args.out} make install")
+    if args.parts:
+        for folder in split_parts(args.out, args.parts * 2**20):
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            print(f"wheelhouse: {folder} {len(list(folder.iterdir()))} files, {size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

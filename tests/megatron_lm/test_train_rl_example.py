@@ -221,3 +221,20 @@ def test_the_wheelhouse_refuses_two_versions_of_one_package(monkeypatch):
         ["Pydantic==1.0"] if path.name == "requirements-megatron-rl.txt" else []))
     with pytest.raises(SystemExit, match="pydantic==.* and Pydantic==1.0 are pinned in two requirements files"):
         wheelhouse.wheel_pins("13", True)
+
+
+def test_the_wheelhouse_parts_hold_every_file_once_within_the_limit(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import wheelhouse
+
+    sizes = {"a.whl": 50, "b.whl": 30, "c.whl": 25, "d.tar.gz": 20, "e.whl": 5, "big.whl": 90}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    (tmp_path / "part-9").mkdir()  # a layout of an earlier run is replaced
+    parts = wheelhouse.split_parts(tmp_path, 60)
+    held = {f.name: f.stat().st_size for part in parts for f in part.iterdir()}
+    assert held == sizes and sum(len(list(p.iterdir())) for p in parts) == len(sizes)
+    for part in parts:
+        total = sum(f.stat().st_size for f in part.iterdir())
+        assert total <= 60 or [f.name for f in part.iterdir()] == ["big.whl"]
+    assert len(parts) == 4 and not (tmp_path / "part-9").exists()
