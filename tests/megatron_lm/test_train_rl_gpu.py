@@ -31,7 +31,7 @@ def test_train_rl_replays_the_routes_its_engine_recorded(tmp_path, nproc):
         pytest.skip(f"no Megatron-LM checkout with both series at {megatron}: make megatron-lm-checkout")
     env = dict(os.environ, MEGATRON=str(megatron), NPROC=str(nproc), ITERS="3", REPLAY="1", METRICS="1")
     proc = subprocess.run(["bash", str(ROOT / "launch" / "train_rl_r3.sh"), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=500)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-8000:]
     rows = replay_metrics(log)
