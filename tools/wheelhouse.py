@@ -12,8 +12,9 @@ patches, and transformer_engine_torch, built against the node's torch). Every pi
 files, tools/install.sh and tools/patch_series.py; nothing else is resolved. The node's own torch is
 reused, so no torch is downloaded. Files already in OUT are kept. With --megatron-rl, also the
 wheels of requirements-megatron-rl.txt (Megatron-LM's train_rl.py example: `make megatron-rl-deps`).
-With --parts MIB, the files are also laid out (hard links) in OUT/part-1, OUT/part-2, ... of at most
-MIB each, for a node reached by transfers of limited size: copy every part into one folder there.
+With --parts MIB, the files are also laid out in OUT/part-1, OUT/part-2, ... of at most MIB each
+(hard links; a larger file cut into NAME.chunk-NNN), for a node reached by transfers of limited
+size: copy every part into one folder there and run the line this prints to join the chunks.
 """
 
 from __future__ import annotations
@@ -102,27 +103,45 @@ def wheel_pins(cuda_major: str, megatron_rl: bool) -> list[str]:
 
 
 def split_parts(out: Path, limit: int) -> list[Path]:
-    """Hard links of the files of ``out`` in ``out/part-N`` folders of at most ``limit`` bytes each
-    (first fit, largest first; a larger file gets a part of its own)."""
+    """The files of ``out`` laid out in ``out/part-N`` folders of at most ``limit`` bytes each (first
+    fit, largest first): hard links, and a file larger than ``limit`` cut into ``NAME.chunk-000``,
+    ``NAME.chunk-001``, ... (JOIN_CHUNKS puts it together again on the node)."""
     for old in out.glob("part-*"):
         shutil.rmtree(old)
-    parts: list[tuple[int, list[Path]]] = []
-    for path in sorted((f for f in out.iterdir() if f.is_file()), key=lambda f: (-f.stat().st_size, f.name)):
+    pieces = []  # (size, source, offset, name)
+    for path in (f for f in out.iterdir() if f.is_file()):
         size = path.stat().st_size
-        for index, (used, files) in enumerate(parts):
-            if used + size <= limit:
-                parts[index] = (used + size, files + [path])
-                break
+        if size <= limit:
+            pieces.append((size, path, None, path.name))
         else:
-            parts.append((size, [path]))
+            pieces += [(min(limit, size - offset), path, offset, f"{path.name}.chunk-{offset // limit:03d}")
+                       for offset in range(0, size, limit)]
+    parts: list[list] = []  # [used, pieces]
+    for piece in sorted(pieces, key=lambda p: (-p[0], p[3])):
+        part = next((p for p in parts if p[0] + piece[0] <= limit), None)
+        if part is None:
+            part = [0, []]
+            parts.append(part)
+        part[0] += piece[0]
+        part[1].append(piece)
     folders = []
-    for number, (_, files) in enumerate(parts, start=1):
+    for number, (_, held) in enumerate(parts, start=1):
         folder = out / f"part-{number}"
         folder.mkdir()
-        for path in files:
-            os.link(path, folder / path.name)
+        for size, source, offset, name in held:
+            if offset is None:
+                os.link(source, folder / name)
+            else:
+                with open(source, "rb") as src:
+                    src.seek(offset)
+                    (folder / name).write_bytes(src.read(size))
         folders.append(folder)
     return folders
+
+
+# On the node, after copying every part into one folder: each cut file made whole again.
+JOIN_CHUNKS = ('for c in *.chunk-000; do [ -e "$c" ] || continue; f=${c%.chunk-000}; '
+               'cat "$f".chunk-* > "$f" && rm "$f".chunk-*; done')
 
 
 def main() -> None:
@@ -150,6 +169,7 @@ def main() -> None:
         for folder in split_parts(args.out, args.parts * 2**20):
             size = sum(f.stat().st_size for f in folder.iterdir())
             print(f"wheelhouse: {folder} {len(list(folder.iterdir()))} files, {size / 2**20:.0f} MiB")
+        print(f"wheelhouse: on the node, in the folder the parts were copied into: {JOIN_CHUNKS}")
 
 
 if __name__ == "__main__":
