@@ -53,6 +53,9 @@ MODEL_ARGS=(
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001 --moe-token-dispatcher-type alltoall
   --attention-dropout 0.0 --hidden-dropout 0.0 --attention-softmax-in-fp32 --no-masked-softmax-fusion
   --bf16 --transformer-impl transformer_engine --attention-backend flash --te-rng-tracker
+  # Apex is not installed: its fused weight-gradient accumulation (Megatron's default) is off. fp32
+  # routing, as Megatron recommends from 32 experts on.
+  --no-gradient-accumulation-fusion --moe-router-dtype fp32
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$OUT/assets/tokenizer"
 )
 RL_ARGS=(
