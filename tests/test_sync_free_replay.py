@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_r3.layers.transformer_impl import transformer_engine_installed
+from megatron_r3.layers.transformer_impl import te_grouped_gemm_problem, transformer_engine_installed
 from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.batches import layout_microbatches, make_sequences
@@ -132,27 +132,30 @@ def launcher_update_pass_worker(argv, fillers):
         experts = [layer.experts for layer in trainer.chunks[0].modules() if isinstance(layer, MoELayer)]
         return {"syncs": counts["sync_debug"] + counts["waits"], "host_split": result.host_split_microbatches,
                 "microbatches": len(result.items),
-                "device_counts": all(getattr(e, "takes_device_tokens_per_expert", False) for e in experts)}
+                "device_counts": all(getattr(e, "takes_device_tokens_per_expert", False) for e in experts),
+                "te_grouped_by_default": transformer_engine_installed() and te_grouped_gemm_problem() is None}
     finally:
         parallel_state.destroy_model_parallel()
 
 
 # Experts flags, and whether those experts take their token counts on the device: torch's grouped
-# experts (GroupedGemmExperts) do; SequentialMLP and TE's TEGroupedMLP (the launcher's grouped
-# experts where TE is installed) wait for them on the host. TE's fused permutation (one expert
-# rank here) takes host counts and leaves device counts on the device as the unfused one does.
+# experts (GroupedGemmExperts) do; SequentialMLP and TE's TEGroupedMLP wait for them on the host.
+# The launcher's default grouped experts (None) are TEGroupedMLP where TE runs its grouped GEMM as one
+# GEMM on the node, else torch's (te_grouped_gemm_problem). TE's fused permutation (one expert rank
+# here) takes host counts and leaves device counts on the device as the unfused one does.
 LAUNCHER_EXPERTS = {
-    "grouped": ((), not transformer_engine_installed()),
+    "grouped": ((), None),
+    "te-grouped": (("--moe-grouped-gemm-impl", "transformer_engine"), False),
     "torch-grouped": (("--moe-grouped-gemm-impl", "torch"), True),
     "torch-grouped-permute-fusion": (("--moe-grouped-gemm-impl", "torch", "--moe-permute-fusion"), True),
     "sequential": (("--no-moe-grouped-gemm",), False),
 }
-NEEDS_TE = {"torch-grouped-permute-fusion"}
+NEEDS_TE = {"te-grouped", "torch-grouped-permute-fusion"}
 
 
 @pytest.mark.parametrize("experts", [
     pytest.param(name, marks=pytest.mark.skipif(name in NEEDS_TE and not transformer_engine_installed(),
-                                                reason="TransformerEngine's fused permutation needs TE"))
+                                                reason="TEGroupedMLP and TE's fused permutation need TE"))
     for name in sorted(LAUNCHER_EXPERTS)])
 def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
     flags, device_counts = LAUNCHER_EXPERTS[experts]
@@ -163,5 +166,7 @@ def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
     # where only experts that take device counts run without a sync.
     (result,) = run_workers(launcher_update_pass_worker, 1, argv, False, backend="nccl")
     assert result["host_split"] == 0
+    if device_counts is None:
+        device_counts = not result["te_grouped_by_default"]
     assert result["device_counts"] == device_counts
     assert result["syncs"] == 0 if device_counts else result["syncs"] > 0
