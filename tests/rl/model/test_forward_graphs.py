@@ -212,20 +212,22 @@ def test_graphs_need_one_rank_per_model_replica(layout, one):
 
 
 def _counting_train_worker(argv):
-    """The launcher's metrics, and how many forward-only and update passes replayed a graph."""
+    """The launcher's metrics, and how many forward-only passes replayed a graph and how many update passes
+    replayed Megatron's full-iteration graph (the pass that captures it replays it too)."""
     replays = {"forward": 0, "update": 0}
-    forward_replay, update_replay = forward_graphs._CapturedForward.replay, update_graphs._CapturedUpdate.replay
+    forward_replay, update_run_through = forward_graphs._CapturedForward.replay, update_graphs.run_through
 
     def counting_forward(self, batch):
         replays["forward"] += 1
         return forward_replay(self, batch)
 
-    def counting_update(self, item, old):
-        replays["update"] += 1
-        return update_replay(self, item, old)
+    def counting_update(wrapper, *args, **kwargs):
+        # The wrapper's passes before its warm-up count run eagerly; from there on each one replays.
+        replays["update"] += wrapper.curr_iter(update_graphs._STAGE) >= wrapper.cuda_graph_warmup_steps
+        return update_run_through(wrapper, *args, **kwargs)
 
     forward_graphs._CapturedForward.replay = counting_forward
-    update_graphs._CapturedUpdate.replay = counting_update
+    update_graphs.run_through = counting_update
     timings = {"tokens_per_s", "elapsed_s", "eta_s"}
     history = train_worker(argv)["history"]
     return [{key: value for key, value in metrics.items() if key not in timings and not key.startswith("time/")}
@@ -238,8 +240,10 @@ def _counting_train_worker(argv):
 def test_the_launcher_trains_the_same_with_and_without_graphs(mode):
     """The engine's passes, the trainer's live forward-only passes (R3's comparison, R2's old log-probs) and
     its update passes: the same metrics (losses, gradient norms, mismatch) with graphs and without."""
-    # One microbatch a pass; a bf16 trainer, whose grouped experts take device counts on a GPU.
-    argv = EMBEDDED_FLAGS + ["--train-iters", "2", "--micro-batch-size", "4", "--bf16", *mode]
+    # One microbatch a pass; a bf16 trainer, whose grouped experts take device counts on a GPU. Three
+    # iterations: Megatron's full-iteration graph runs the first update pass eagerly, captures the second
+    # and replays it, and replays the third.
+    argv = EMBEDDED_FLAGS + ["--train-iters", "3", "--micro-batch-size", "4", "--bf16", *mode]
     ((with_graphs, replays),) = run_workers(_counting_train_worker, 1, argv, backend="nccl")
     ((eager, no_replays),) = run_workers(_counting_train_worker, 1,
                                          argv + ["--no-rollout-cuda-graphs", "--no-trainer-cuda-graphs"], backend="nccl")
@@ -247,13 +251,14 @@ def test_the_launcher_trains_the_same_with_and_without_graphs(mode):
                                                    backend="nccl")
     assert no_replays == {"forward": 0, "update": 0} and engine_replays["update"] == 0
     assert replays["forward"] > engine_replays["forward"] > 0  # the trainer's forward-only passes replayed too
-    assert replays["update"] == 2  # every update pass, the first right after its capture
+    assert replays["update"] == 2  # every update pass after the wrapper's eager first one
     # A replayed update pass makes no host sync: it is on the sync-free path even where its routes carry
-    # no host counts (R2's recorded routes), which the eager pass is not.
+    # no host counts (R2's recorded routes), which the eager pass is not. The wrapper's eager first pass
+    # reads its copies of the microbatch, which carry no host counts (they would be constants of the graph).
     sync_free = [metrics.pop("routing/host_split_microbatches") for metrics in with_graphs]
     eager_sync_free = [metrics.pop("routing/host_split_microbatches") for run in (eager, engine_only) for metrics in run]
-    assert sync_free == [1.0, 1.0]
-    assert eager_sync_free == [1.0 if mode == ["--moe-enable-routing-replay"] else 0.0] * 4
+    assert sync_free == [0.0, 1.0, 1.0]
+    assert eager_sync_free == [1.0 if mode == ["--moe-enable-routing-replay"] else 0.0] * 6
     assert _differences(with_graphs, eager) == [] and _differences(engine_only, eager) == []
 
 
