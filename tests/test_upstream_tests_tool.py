@@ -490,3 +490,24 @@ def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_
     code = ut.main(["prepare", "--base", "main", "--megatron", str(repo), "--tag", "HEAD",
                     "--out", str(tmp_path / "b2"), "--lists", "series"])
     assert code == 2 and not (tmp_path / "b2").exists()
+
+
+def test_a_series_file_that_imports_only_on_the_patched_core_counts_as_collected_there():
+    # As on 2 x H200 (2026-11-28): test_moe_routing.py fails at import on pristine, one row keyed by its
+    # module; on patched its tests (plain and in a class) are rows of their own.
+    module = "tests.unit_tests.transformer.moe.test_moe_routing"
+    pristine = {module: {"id": "tests/unit_tests/transformer/moe/test_moe_routing.py", "outcome": "error",
+                         "seconds": 0.0, "message": "collection failure"}}
+    patched = {f"{module}::test_a": {"id": f"{module}::test_a", "outcome": "passed", "seconds": 1.0, "message": ""},
+               f"{module}.TestB::test_b": {"id": f"{module}.TestB::test_b", "outcome": "failed", "seconds": 1.0,
+                                            "message": ""}}
+    series = ["tests/unit_tests/transformer/moe/test_moe_routing.py"]
+    upstream, own = ut.split_series(ut.compare(pristine, patched), series)
+    outcomes = {row["key"]: (row["pristine"], row["patched"], row["verdict"]) for row in own}
+    assert upstream == []
+    assert outcomes[module] == ("error", "collected", "expected: needs the series")
+    assert outcomes[f"{module}::test_a"] == ("absent", "passed", "expected: needs the series")
+    assert outcomes[f"{module}.TestB::test_b"] == ("absent", "failed", "FAILS on the patched core")
+    # A file absent from a side altogether stays absent there.
+    upstream, own = ut.split_series(ut.compare(pristine, {}), series)
+    assert [(row["patched"], row["verdict"]) for row in own] == [("absent", "FAILS on the patched core")]
