@@ -64,7 +64,8 @@ RL_ARGS=(
   --micro-batch-size 1 --global-batch-size 32 --grpo-group-size 4 --grpo-prompts-per-step 8
   --grpo-iterations 1 --grpo-kl-beta 0.0 --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.2
   --rl-use-sequence-packing --rl-skip-bos-token
-  --cuda-graph-impl local --inference-dynamic-batching-num-cuda-graphs 1
+  # No inference CUDA graphs: without --moe-grouped-gemm Megatron's experts (SequentialMLP) split
+  # tokens by a host copy of their counts, which graph capture refuses.
   --inference-dynamic-batching-buffer-size-gb 4
 )
 TRAIN_ARGS=(
@@ -75,6 +76,7 @@ TRAIN_ARGS=(
 )
 
 cd "$MEGATRON"
-"$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" train_rl.py \
+# --standalone: one node, a free rendezvous port (another run on the node keeps its own).
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" train_rl.py \
   "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" ${EXTRA_ARGS:-} \
   2>&1 | tee "$OUT/train_rl-replay$REPLAY-np$NPROC.log"
