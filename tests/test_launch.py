@@ -28,8 +28,9 @@ SMALL_MODEL = GPT_LAYERS + [
     "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", str(EXPERTS),
     "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", "32", "--normalization", "LayerNorm",
     "--init-method-std", "0.02",
-    # The local layers on every machine: the tests of TransformerEngine's choose theirs.
-    "--transformer-impl", "local",
+    # The local layers and GeLU on every machine (the launcher's GPU default is SwiGLU): the tests of
+    # TransformerEngine's choose theirs.
+    "--transformer-impl", "local", "--no-swiglu",
 ]
 DUMP_FLAGS = SMALL_MODEL + ["--vocab-size", str(VOCAB), "--seq-length", "96", "--micro-batch-size", "2",
                             "--rollouts-per-prompt", "2", "--lr", "1e-3"]

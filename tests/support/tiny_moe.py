@@ -25,7 +25,8 @@ class TinyMoE:
     """Model hyper-parameters; every layout of one test uses the same values.
 
     The defaults give 4 layers, dense-MoE-dense-MoE, 4 experts, top-2, grouped-query
-    attention (4 heads, 2 groups), RoPE, fp32, no dropout, no load-balancing loss.
+    attention (4 heads, 2 groups), RoPE, GeLU MLPs and experts (on every device: the launcher's
+    own default is SwiGLU on GPUs), fp32, no dropout, no load-balancing loss.
     Linear layers have no biases by default, as in most MoE models; with
     ``add_bias_linear`` (Megatron supports MoE biases only with expert-TP 1) they do.
     With ``hybrid_layer_pattern`` the model is a HybridModel of that pattern
@@ -45,6 +46,7 @@ class TinyMoE:
     max_sequence_length: int = 64
     normalization: str = "LayerNorm"
     add_bias_linear: bool = False
+    swiglu: bool = False
     router_logit_std: float = 2.0
     hybrid_layer_pattern: Optional[str] = None
 
@@ -71,6 +73,7 @@ class TinyMoE:
             "--vocab-size", str(self.vocab_size), "--max-position-embeddings", str(self.max_sequence_length),
             "--normalization", self.normalization,
             "--add-bias-linear" if self.add_bias_linear else "--disable-bias-linear",
+            "--swiglu" if self.swiglu else "--no-swiglu",
         ]
 
 
