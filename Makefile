@@ -41,7 +41,8 @@ test: $(VPY)
 # Packing kernel, then the trainer's update pass on rollout-shaped data (the loop benchmark) and on
 # full rows, on one GPU and, with two or more, at EP=2 under torchrun; then the update pass and optimizer
 # step on Megatron's training stack against the loop's old one; the rollout engines' generation tokens/s;
-# the host's preparation of a batch before and after the batch plan (CPU).
+# the host's preparation of a batch before and after the batch plan (CPU); the series' cost for users
+# who do not enable replay, pristine vs patched core, where an upstream-tests bundle is (docs/upstream_tests.md).
 bench: $(VPY)
 	$(VPY) -m bench $(BENCH_ARGS)
 	$(VPY) -m bench.host_prepare --out build/bench/host-prepare.md
@@ -51,6 +52,9 @@ bench: $(VPY)
 	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
 	$(VPY) -m bench.launch_cost
 	$(VPY) -m bench.generation --out build/bench/generation.md
+	@for base in 0.19 main; do dir=build/upstream-tests$$([ $$base = main ] && echo -main); \
+	  if [ -f $$dir/manifest.json ]; then $(VPY) -m bench.series_cost --base $$base || exit 1; \
+	  else echo "bench.series_cost --base $$base: skipped, no $$dir (make upstream-tests)"; fi; done
 	@if [ "$$($(VPY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md && \
 	  $(VPY) -m torch.distributed.run --nproc-per-node 2 -m bench.step --ep 2 --data full --out build/bench/step-ep2.md; fi

@@ -1,0 +1,239 @@
+"""The series' cost for users who never enable replay: pristine vs patched megatron-core, one GPU.
+
+    python -m bench.series_cost --base 0.19 --out build/bench/series-cost-0.19.md
+    python -m bench.series_cost --base main --out build/bench/series-cost-main.md
+
+Takes the two megatron-core trees of a ``make upstream-tests`` bundle (build/upstream-tests for
+0.19, build/upstream-tests-main for main) and times, in a fresh process per side and round with
+that side's root first on ``sys.path``, the same workload on each: forward + backward of
+Megatron's own MoELayer (the tree's TE layer spec where Transformer Engine imports, else its
+local spec), alltoall dispatcher, dropless, bf16, EP 1, TP 1, at a Qwen3-30B-A3B-like shape by
+default. Sides alternate round by round (pristine, patched, pristine, patched, ...). Per
+iteration it records device time (CUDA events around forward + backward) and host issue time
+(wall time until forward + backward return to Python); a round's figure is the median over its
+iterations, and the report gives the median and min-max over rounds and patched / pristine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "series_cost_worker.py"
+_spec = importlib.util.spec_from_file_location("upstream_tests", ROOT / "tools" / "upstream_tests.py")
+upstream_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(upstream_tests)
+
+SIDES = upstream_tests.SIDES  # ("pristine", "patched")
+RESULT_PREFIX = "RESULT "
+GROUPED = {"on": (True,), "off": (False,), "both": (True, False)}
+
+
+class BenchError(RuntimeError):
+    """A one-line reason the benchmark cannot run."""
+
+
+def log(msg):
+    print(f"[series_cost] {msg}", flush=True)
+
+
+def bundle_manifest(bundle, base):
+    """The bundle's manifest, or a one-line error saying how to make the bundle."""
+    if not (Path(bundle) / "manifest.json").is_file():
+        make = "make upstream-tests" + (" UPSTREAM_BASE=main" if base == "main" else "")
+        raise BenchError(f"no upstream-tests bundle at {bundle} (manifest.json missing): run `{make}` "
+                         "to build it, and carry it to the GPU machine")
+    manifest = upstream_tests.load_manifest(bundle)
+    if manifest.get("base", "0.19") != base:
+        raise BenchError(f"the bundle at {bundle} is for base {manifest.get('base')}, not {base}: "
+                         "pass --bundle with the right one")
+    for side in SIDES:
+        if not (Path(bundle) / side / "megatron" / "core").is_dir():
+            raise BenchError(f"the bundle at {bundle} has no {side}/megatron/core: rebuild it with "
+                             "`make upstream-tests`")
+    return manifest
+
+
+def worker_command(python, settings):
+    """The argv of one side's worker process."""
+    return [python, str(WORKER), json.dumps(settings, sort_keys=True)]
+
+
+def worker_env(root, scratch):
+    """The environment of a worker: the side's root first on sys.path (the upstream tool's rule)."""
+    return upstream_tests.side_environment(Path(root), Path(scratch))
+
+
+def run_worker(python, root, settings, scratch, timeout):
+    """Runs one side once; its parsed RESULT line. Progress lines are passed through."""
+    proc = subprocess.run(worker_command(python, settings), cwd=root, env=worker_env(root, scratch),
+                          capture_output=True, text=True, timeout=timeout)
+    results = [line[len(RESULT_PREFIX):] for line in proc.stdout.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not results:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise BenchError(f"the worker on {root} failed (exit {proc.returncode}): {tail[0]}")
+    return json.loads(results[-1])
+
+
+def summarize(values):
+    """(median, min, max) of a list of numbers."""
+    return statistics.median(values), min(values), max(values)
+
+
+def side_summary(rounds):
+    """Per-round medians of each metric, then their median and min-max over rounds."""
+    out = {}
+    for metric in ("device_ms", "host_ms"):
+        per_round = [statistics.median(r[metric]) for r in rounds]
+        out[metric] = summarize(per_round)
+    return out
+
+
+def ratio(patched, pristine):
+    return patched / pristine if pristine else float("nan")
+
+
+def host_bound(summary):
+    """True where the host's issue time is at least the device time: the figure measures the host."""
+    return summary["host_ms"][0] >= summary["device_ms"][0]
+
+
+def _fmt(stat):
+    med, lo, hi = stat
+    return f"{med:.3f} ({lo:.3f}-{hi:.3f})"
+
+
+def render(cases, meta):
+    """The Markdown report: one row per (grouped gemm) case and side, plus the ratios."""
+    lines = [
+        "# The series' cost for users who do not enable replay",
+        "",
+        "Generated by `bench/series_cost.py`; do not edit by hand.",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Device: **{meta['device']}**; torch {meta['torch']}; Transformer Engine "
+        f"{meta['transformer_engine'] or 'not installed'}",
+        f"- Base {meta['base']}: bundle {meta['bundle']} (made at project commit "
+        f"{meta['project_commit']}, Megatron-LM {meta['source_rev']} = {meta['source_commit']})",
+    ]
+    for side in SIDES:
+        info = meta["sides"][side]
+        lines.append(f"- {side}: megatron-core {info['version']} from {info['from']}")
+    lines += [
+        f"- Workload: Megatron's MoELayer forward + backward, {meta['tokens']} tokens, hidden "
+        f"{meta['hidden']}, {meta['experts']} experts, top-{meta['topk']}, moe ffn {meta['moe_ffn_hidden']}, "
+        "alltoall dispatcher, dropless, bf16, EP 1, TP 1, one GPU",
+        f"- Timing: {meta['rounds']} rounds, sides alternating (pristine, patched) in fresh processes; "
+        f"per round {meta['iters']} iterations after {meta['warmup']} warm-up; a round's figure is its "
+        "median; shown: median over rounds (min-max). Device = CUDA events around forward + backward; "
+        "host = wall time until forward + backward return to Python.",
+        "",
+        "| experts | side | spec | device (ms) | host issue (ms) | bound by |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    for case in cases:
+        for side in SIDES:
+            s = case["summary"][side]
+            lines.append(f"| {case['experts_class']} | {side} | {case['spec']} | {_fmt(s['device_ms'])} | "
+                         f"{_fmt(s['host_ms'])} | {'host' if host_bound(s) else 'device'} |")
+    lines += ["", "| experts | patched / pristine, device | patched / pristine, host |", "|---|---:|---:|"]
+    for case in cases:
+        p, q = case["summary"]["patched"], case["summary"]["pristine"]
+        lines.append(f"| {case['experts_class']} | {ratio(p['device_ms'][0], q['device_ms'][0]):.3f} | "
+                     f"{ratio(p['host_ms'][0], q['host_ms'][0]):.3f} |")
+    if any(host_bound(c["summary"][side]) for c in cases for side in SIDES):
+        lines += ["", "Where host issue time is at least the device time the row measures the host "
+                  "(Python, launches and any device-to-host wait inside forward + backward), not the GPU."]
+    return "\n".join(lines) + "\n"
+
+
+def run_case(args, bundle, grouped, scratch):
+    settings = {"spec": args.spec, "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts,
+                "topk": args.topk, "moe_ffn_hidden": args.moe_ffn_hidden, "grouped_gemm": grouped,
+                "iters": args.iters, "warmup": args.warmup, "seed": 1234}
+    rounds = {side: [] for side in SIDES}
+    for r in range(args.rounds):
+        for side in SIDES:
+            started = time.monotonic()
+            res = run_worker(args.python, bundle / side, settings, scratch / side, args.timeout)
+            rounds[side].append(res)
+            log(f"grouped gemm {'on' if grouped else 'off'}, round {r + 1}/{args.rounds}, {side} "
+                f"({res['experts_class']}, {res['spec']}): device {statistics.median(res['device_ms']):.3f} ms, "
+                f"host {statistics.median(res['host_ms']):.3f} ms ({time.monotonic() - started:.0f}s)")
+    first = rounds["pristine"][0]
+    return {"experts_class": first["experts_class"], "spec": first["spec"], "first": first,
+            "summary": {side: side_summary(rounds[side]) for side in SIDES}}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.series_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", choices=upstream_tests.BASES, default="0.19",
+                        help="the bundle's base: 0.19 (build/upstream-tests) or main (build/upstream-tests-main)")
+    parser.add_argument("--bundle", help="the upstream-tests bundle (default: the base's build folder)")
+    parser.add_argument("--out", help="Markdown report (default build/bench/series-cost-<base>.md)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter of the workers (with torch, TE)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each runs pristine then patched")
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations per round")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per round")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--moe-ffn-hidden", type=int, default=768)
+    parser.add_argument("--spec", choices=("auto", "te", "local"), default="auto",
+                        help="the tree's layer spec: TE where transformer_engine imports (auto), or local")
+    parser.add_argument("--grouped-gemm", choices=tuple(GROUPED), default="on",
+                        help="experts: grouped GEMM (TEGroupedMLP with TE), sequential (SequentialMLP), or both")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per worker process")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "iters", "tokens", "hidden", "experts", "topk", "moe_ffn_hidden", "timeout"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    if args.topk > args.experts:
+        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    args.bundle = Path(args.bundle or upstream_tests.DEFAULT_BUNDLES[args.base]).resolve()
+    args.out = Path(args.out or ROOT / "build" / "bench" / f"series-cost-{args.base}.md")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        manifest = bundle_manifest(args.bundle, args.base)
+        scratch = args.out.parent / f".series-cost-{args.base}"
+        cases = []
+        for grouped in GROUPED[args.grouped_gemm]:
+            cases.append(run_case(args, args.bundle, grouped, scratch))
+    except (BenchError, upstream_tests.ToolError, subprocess.TimeoutExpired) as err:
+        print(f"bench.series_cost: error: {err}", file=sys.stderr)
+        return 2
+    first = cases[0]["first"]
+    meta = {**{k: getattr(args, k) for k in ("base", "rounds", "iters", "warmup", "tokens", "hidden",
+                                            "experts", "topk", "moe_ffn_hidden")},
+            "command": "python -m bench.series_cost " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+            "device": first["device"], "torch": first["torch"], "transformer_engine": first["transformer_engine"],
+            "bundle": args.bundle, "project_commit": manifest.get("project_commit"),
+            "source_rev": manifest.get("source_rev"), "source_commit": manifest.get("source_commit"),
+            "sides": manifest["sides"]}
+    text = render(cases, meta)
+    os.makedirs(args.out.parent, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    log(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
