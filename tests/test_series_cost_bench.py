@@ -122,7 +122,7 @@ def test_tiny_shape_runs_on_both_sides(base, tmp_path):
     if not (bundle / "manifest.json").is_file():
         pytest.skip(f"no bundle at {bundle}: `make upstream-tests` (UPSTREAM_BASE={base}) makes it")
     out = tmp_path / "r.md"
-    assert sc.main(["--base", base, "--out", str(out), "--rounds", "2", "--iters", "3", "--warmup", "1",
+    assert sc.main(["--base", base, "--out", str(out), "--rounds", "1", "--iters", "3", "--warmup", "1",
                     "--tokens", "256", "--hidden", "256", "--experts", "8", "--topk", "2",
                     "--moe-ffn-hidden", "128", "--grouped-gemm", "both"]) == 0
     text = out.read_text()
