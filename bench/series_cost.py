@@ -222,7 +222,7 @@ def main(argv=None):
     first = cases[0]["first"]
     meta = {**{k: getattr(args, k) for k in ("base", "rounds", "iters", "warmup", "tokens", "hidden",
                                             "experts", "topk", "moe_ffn_hidden")},
-            "command": "python -m bench.series_cost " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+            "command": "python -m bench.series_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
             "device": first["device"], "torch": first["torch"], "transformer_engine": first["transformer_engine"],
             "bundle": args.bundle, "project_commit": manifest.get("project_commit"),
             "source_rev": manifest.get("source_rev"), "source_commit": manifest.get("source_commit"),
