@@ -94,10 +94,22 @@ void scatter_routes(const at::Tensor& expert_ids, const at::Tensor& token_index,
   r3::scatter_routes_cpu(expert_ids, token_index, layer_index, out_ids, out_recorded);
 }
 
+// A bytes-like object's JSON nested integer lists at `start` (no copy of the text).
+py::tuple parse_int_lists(const py::buffer& text, int64_t start) {
+  const py::buffer_info info = text.request();
+  TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.strides[0] == 1, "text must be contiguous bytes");
+  std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parsed;
+  {
+    py::gil_scoped_release release;
+    parsed = r3::parse_int_lists(static_cast<const uint8_t*>(info.ptr), info.size, start);
+  }
+  return py::make_tuple(std::get<0>(parsed), std::get<1>(parsed), std::get<2>(parsed));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record)";
+  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record), JSON route lists";
 #ifdef R3_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
@@ -109,4 +121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_routes", &scatter_routes, "this rank's recorded expert_ids -> global compact routes (in place)",
         py::arg("expert_ids"), py::arg("token_index"), py::arg("layer_index"), py::arg("out_ids"),
         py::arg("out_recorded"));
+  m.def("parse_int_lists", &parse_int_lists,
+        "JSON nested integer lists at text[start:] -> (flat int32 tensor, shape, offset after the list)",
+        py::arg("text"), py::arg("start") = 0);
 }

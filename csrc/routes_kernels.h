@@ -12,6 +12,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
 namespace r3 {
 
 // The kernels trust the plan: the binding checks index bounds before any write.
@@ -19,6 +23,11 @@ void gather_routes_cpu(const at::Tensor& ids, const at::Tensor& valid, const at:
                        const at::Tensor& layer_index, at::Tensor& out);
 void scatter_routes_cpu(const at::Tensor& expert_ids, const at::Tensor& token_index,
                         const at::Tensor& layer_index, at::Tensor& out_ids, at::Tensor& out_recorded);
+
+// JSON nested integer lists from `start` of `text` -> (flat int32 values, shape, offset after the closing ']').
+// Raises (c10::Error) on anything but strict, rectangular, non-empty lists of int32 integers.
+std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint8_t* text, int64_t size,
+                                                                      int64_t start);
 
 #ifdef R3_WITH_CUDA
 void gather_routes_cuda(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,

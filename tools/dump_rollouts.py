@@ -192,6 +192,7 @@ from megatron_r3.dataplane.engines.multi_turn import merge_turns
 from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.formats.jsonl import json_line
 from megatron_r3.dataplane.formats.output_files import atomic_output
+from megatron_r3.dataplane.formats.route_lists import parse_route_lists
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.sample_checks import loss_number
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -425,7 +426,7 @@ def dump_jsonl(
     writer = None
     with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
         try:
-            for number, record in _records(input_path):
+            for number, record in _records(input_path, route_lists=engine == "megatron"):
                 try:
                     samples, rerouted = line_samples(record, engine, spec, vocab_size)
                     for sample in samples:
@@ -486,13 +487,18 @@ def _summary(counts: dict) -> str:
 LINE_BUFFER_BYTES = 16 << 20
 
 
-def _records(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) of every non-blank line."""
+def _records(path: str, route_lists: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line; with ``route_lists``, Megatron's nested route lists
+    come as int32 arrays (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`)."""
     # Bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError. A 16 MiB buffer: a rollout line
     # holds megabytes of routes, which the default 8 KiB buffer gathers in many small reads and copies.
     with open(path, "rb", buffering=LINE_BUFFER_BYTES) as f:
         for number, raw in enumerate(f, start=1):
-            record = json_line(raw, f"{path} line {number}", InputLineError)
+            where = f"{path} line {number}"
+            if route_lists:
+                record = parse_route_lists(raw, lambda text: json_line(text, where, InputLineError))
+            else:
+                record = json_line(raw, where, InputLineError)
             if record is None:
                 continue
             if not isinstance(record, dict):
