@@ -22,6 +22,8 @@ try:
     from megatron_r3 import _C
 except ImportError:  # extension not built: the general JSON path reads every line
     _C = None
+if not hasattr(_C, "parse_int_lists"):  # an extension built before the parser was: likewise
+    _C = None
 
 ROUTE_LIST_KEYS = ("moe_topk_indices", "prompt_moe_topk_indices", "routing_indices")
 _ROUTE_LIST = re.compile(rb'"(' + b"|".join(k.encode() for k in ROUTE_LIST_KEYS) + rb')"[ \t\r\n]*:[ \t\r\n]*\[')

@@ -118,3 +118,20 @@ def test_dump_is_the_same_with_and_without_the_parser(tmp_path, monkeypatch):
     slow = dump_jsonl(str(source), str(tmp_path / "slow.r3dump"), "megatron", spec, log_interval=0)
     assert fast == slow
     assert (tmp_path / "fast.r3dump").read_bytes() == (tmp_path / "slow.r3dump").read_bytes()
+
+
+def test_an_extension_built_before_the_parser_leaves_lines_to_json():
+    import importlib
+
+    from megatron_r3 import _C
+
+    try:
+        parser = _C.parse_int_lists
+        del _C.parse_int_lists
+        module = importlib.reload(route_lists)
+        assert module._C is None
+        line = _line([[[3, 1]]])
+        assert module.parse_route_lists(line, orjson.loads) == orjson.loads(line)
+    finally:
+        _C.parse_int_lists = parser
+        importlib.reload(route_lists)
