@@ -5,6 +5,7 @@
 // empty. Anything else is refused with the byte offset, and the caller reads the text the general way.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -40,19 +41,21 @@ std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint
   values.reserve(static_cast<size_t>((size - pos) / 2));
   int64_t level = depth;  // open lists; integers are read at level == depth
   while (true) {
-    // An integer of the innermost list.
+    // An integer of the innermost list (at most 10 digits: int32, and no int64 overflow).
     TORCH_CHECK(pos < size, "offset ", pos, ": the text ends inside the list");
     const bool negative = text[pos] == '-';
-    if (negative) ++pos;
+    pos += negative;
     const int64_t first = pos;
+    const int64_t last = std::min<int64_t>(size, first + 10);
     int64_t magnitude = 0;
-    while (pos < size && text[pos] >= '0' && text[pos] <= '9' && pos - first < 11) {
-      magnitude = magnitude * 10 + (text[pos] - '0');
+    unsigned digit;
+    while (pos < last && (digit = static_cast<unsigned>(text[pos]) - '0') < 10) {
+      magnitude = magnitude * 10 + digit;
       ++pos;
     }
     TORCH_CHECK(pos > first, "offset ", first, ": not an integer");
     TORCH_CHECK(!(text[first] == '0' && pos - first > 1), "offset ", first, ": integer with a leading zero");
-    TORCH_CHECK(pos >= size || !(text[pos] >= '0' && text[pos] <= '9'), "offset ", first, ": integer too long");
+    TORCH_CHECK(pos >= size || static_cast<unsigned>(text[pos]) - '0' >= 10, "offset ", first, ": integer too long");
     const int64_t value = negative ? -magnitude : magnitude;
     TORCH_CHECK(value >= INT32_MIN && value <= INT32_MAX, "offset ", first, ": integer outside int32");
     values.push_back(static_cast<int32_t>(value));
