@@ -37,8 +37,11 @@ std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint
   const int64_t depth = static_cast<int64_t>(dims.size());
   TORCH_CHECK(depth > 0, "offset ", pos, ": not a list");
   std::vector<int64_t> counts(depth, 0);  // entries so far of the open list at each depth
-  std::vector<int32_t> values;
-  values.reserve(static_cast<size_t>((size - pos) / 2));
+  // Every integer takes a digit and a separator (the last a ']'): at most (size - pos + 1) / 2 of them. The
+  // tensor is written in place and its first num_values returned (no growth checks, no copy of the values).
+  at::Tensor out = at::empty({(size - pos + 1) / 2}, at::kInt);
+  int32_t* const values = out.data_ptr<int32_t>();
+  int64_t num_values = 0;
   int64_t level = depth;  // open lists; integers are read at level == depth
   while (true) {
     // An integer of the innermost list (at most 10 digits: int32, and no int64 overflow).
@@ -58,12 +61,14 @@ std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint
     TORCH_CHECK(pos >= size || static_cast<unsigned>(text[pos]) - '0' >= 10, "offset ", first, ": integer too long");
     const int64_t value = negative ? -magnitude : magnitude;
     TORCH_CHECK(value >= INT32_MIN && value <= INT32_MAX, "offset ", first, ": integer outside int32");
-    values.push_back(static_cast<int32_t>(value));
-    ++counts[level - 1];
+    values[num_values++] = static_cast<int32_t>(value);
+    ++counts[depth - 1];
     pos = skip_space(text, pos, size);
     TORCH_CHECK(pos < size, "offset ", pos, ": the text ends inside the list");
     if (text[pos] == ',') {
-      pos = skip_space(text, pos + 1, size);
+      // ", " (Python's json.dumps) and "," (compact writers) without the general whitespace loop.
+      pos += 1 + (pos + 1 < size && text[pos + 1] == ' ');
+      pos = skip_space(text, pos, size);
       continue;
     }
     // Close lists until a ',' opens the next one at some depth.
@@ -77,9 +82,7 @@ std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint
       --level;
       pos = skip_space(text, pos + 1, size);
       if (level == 0) {
-        at::Tensor out = at::empty({static_cast<int64_t>(values.size())}, at::kInt);
-        std::copy(values.begin(), values.end(), out.data_ptr<int32_t>());
-        return {out, dims, pos};
+        return {out.narrow(0, 0, num_values), dims, pos};  // the bound's storage, freed with the array
       }
       ++counts[level - 1];
       TORCH_CHECK(pos < size, "offset ", pos, ": the text ends inside the list");

@@ -49,17 +49,15 @@ def parse_route_lists(raw: bytes, parse_json: Callable[[bytes], object]) -> obje
         raw: The line's bytes.
         parse_json: What parses the rest of the line (and the whole line, where this path does not apply).
     """
-    matches = list(_ROUTE_LIST.finditer(raw)) if _C is not None else []
-    if not matches:
+    if _C is None:
         return parse_json(raw)
     # A key that is not a JSON key (inside a string) cannot be told from the bytes alone: the placeholders
     # must all come back as the values of route keys, or the line is read the general way.
     nonce = os.urandom(8).hex()
-    pieces, arrays, at = [], {}, 0
-    for match in matches:
-        if match.start() < at:  # inside a list cut out already
-            continue
-        begin = match.end() - 1
+    pieces, arrays, at, search_from = [], {}, 0, 0
+    # The next key is searched for after each list cut out, not inside it: the lists are most of the line.
+    while (match := _ROUTE_LIST.search(raw, search_from)) is not None:
+        begin = search_from = match.end() - 1
         try:
             array, end = parse_int_lists(raw, begin)
         except RuntimeError:  # left for the general path, which names the fault
@@ -67,7 +65,7 @@ def parse_route_lists(raw: bytes, parse_json: Callable[[bytes], object]) -> obje
         name = f"r3-route-list {nonce} {len(arrays)}"
         arrays[name] = array
         pieces += [raw[at:begin], b'"', name.encode(), b'"']
-        at = end
+        at = search_from = end
     if not arrays:
         return parse_json(raw)
     pieces.append(raw[at:])

@@ -76,6 +76,9 @@ def test_route_lists_come_back_as_arrays_and_the_rest_as_json():
     json.dumps({"text": 'a "moe_topk_indices": [[1]]', "k": 1}).encode(),   # the key inside a string
     json.dumps({'x"moe_topk_indices': [[1, 2]]}).encode(),         # a key that ends like one
     json.dumps({"other": {"moe_topk_indices": [[1]]}, "l": [0, {"moe_topk_indices": [[2]]}]}).encode(),
+    _line([[[3, 1.5]]], prompt_moe_topk_indices=[[[1, 2]]]),      # a refused list, then one the parser reads
+    json.dumps({"moe_topk_indices": [[1, 2]], 'y"moe_topk_indices': [[5]]}).encode(),  # a look-alike after a list
+    json.dumps({"moe_topk_indices": [[1, 2]], "prompt_moe_topk_indices": [[3]], "t": "]]"}).encode(),
 ])
 def test_anything_else_reads_as_the_json_reference(line):
     def plain(value):
