@@ -25,7 +25,9 @@ import tempfile
 import numpy as np
 
 COUNTDOWN_ROWS = 327680 + 1024 + 1  # CountdownAgent asserts more rows than train + test
-SPECIAL = ["<|pad|>", "<|unk|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Not the pad at id 0: train_rl.py looks for a pad token with `if not tokenizer.pad` (rl_utils.py,
+# prepare_trajectories), which reads a pad id of 0 as none ("No pad token found in tokenizer vocabulary").
+SPECIAL = ["<|unk|>", "<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

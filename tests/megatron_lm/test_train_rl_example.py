@@ -99,7 +99,7 @@ def test_the_tokenizer_loads_offline_and_renders_the_chat(assets, tmp_path):
         chat = tok.apply_chat_template([{{"role": "user", "content": "3 5 -> 8"}}], tokenize=False,
                                        add_generation_prompt=True)
         print(json.dumps({{"len": len(tok), "ids": len(ids), "text": len(text), "back": tok.decode(ids),
-                          "chat": chat, "eos": tok.eos_token, "pad": tok.pad_token}}))
+                          "chat": chat, "eos": tok.eos_token, "pad": tok.pad_token, "pad_id": tok.pad_token_id}}))
     """
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -109,6 +109,9 @@ def test_the_tokenizer_loads_offline_and_renders_the_chat(assets, tmp_path):
     assert out["back"] == "Using the numbers [3, 5], create 8.\n<answer> (3 + 5) </answer>"
     assert out["chat"] == "<|user|>3 5 -> 8<|end|><|assistant|>"
     assert (out["eos"], out["pad"]) == ("<|end|>", "<|pad|>")
+    # train_rl.py refuses a tokenizer whose pad id is falsy (`if not tokenizer.pad`, rl_utils.py
+    # prepare_trajectories): on 1 x H200 the example stopped so after its first rollouts with the pad at 0.
+    assert out["pad_id"] > 0
 
 
 def test_the_env_config_loads_as_train_rl_reads_it_and_known_answers_get_their_rewards(checkout, assets,
