@@ -21,6 +21,11 @@ MEGATRON=$(cd "$MEGATRON" && pwd)
 [ -f "$MEGATRON/train_rl.py" ] || refuse "$MEGATRON has no train_rl.py: not a Megatron-LM main checkout"
 [ -f "$MEGATRON/megatron/rl/routing_replay.py" ] \
   || refuse "$MEGATRON lacks the Megatron-LM series: make patch MEGATRON=$MEGATRON (or make megatron-lm-checkout)"
+# Megatron-LM's RL loop serves its rollouts on port 8294 (fixed in rl_utils.py) with SO_REUSEPORT: a second run
+# on the node binds it too and the kernel shares the requests between the two runs' engines, so a run gets
+# completions its own engine never recorded (KeyError in compute_group_stats; seen on 2 x H200).
+(exec 3<>/dev/tcp/127.0.0.1/8294) 2>/dev/null \
+  && refuse "port 8294 is in use: another train_rl.py (or another server) runs on this node; one run at a time"
 HERE=$(cd "$(dirname "$0")" && pwd)
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3

@@ -11,6 +11,7 @@ main: ``typing.override``; docs/megatron_rl.md, "Dependencies").
 
 import json
 import os
+import socket
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,10 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     assert proc.returncode == 2 and "lacks the Megatron-LM series: make patch MEGATRON=" in proc.stderr
 
     (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
+    with socket.create_server(("127.0.0.1", 8294)):  # a run already serving rollouts on this node
+        proc = launch({"MEGATRON": str(tree)}, tmp_path)
+    assert proc.returncode == 2 and "port 8294 is in use: another train_rl.py" in proc.stderr
+
     old_python = tmp_path / "python3.11"  # answers the version check as Python 3.11 does
     old_python.write_text("#!/bin/sh\nexit 1\n")
     old_python.chmod(0o755)
