@@ -51,10 +51,12 @@ def step_times(log: str, skip: int) -> list[float]:
     return [float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip]
 
 
-def run(out: Path, nproc: int, iters: int, replay: bool, metrics: bool, tag: str) -> tuple[str, str, float]:
+def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
+        tag: str) -> tuple[str, str, float]:
     """One run of the example; its command as the report prints it, its log and its wall time."""
-    env = dict(os.environ, NPROC=str(nproc), ITERS=str(iters), REPLAY=str(int(replay)), METRICS=str(int(metrics)))
-    command = f"NPROC={nproc} ITERS={iters} REPLAY={int(replay)} METRICS={int(metrics)} {SCRIPT.relative_to(ROOT)} {out / tag}"
+    settings = dict(NPROC=nproc, ITERS=iters, SEQ_LEN=seq_len, REPLAY=int(replay), METRICS=int(metrics))
+    env = dict(os.environ, **{k: str(v) for k, v in settings.items()})
+    command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(["bash", str(SCRIPT), str(out / tag)], env=env, capture_output=True, text=True)
@@ -70,6 +72,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
     parser.add_argument("--iters", type=int, default=50, help="iterations per run (>= 50 for the targets)")
+    parser.add_argument("--seq-length", type=int, default=512,
+                        help="rollout context, prompt included (SEQ_LEN of the example); the random-init model "
+                             "generates to its end, so it sets the generation length and the time per iteration")
     parser.add_argument("--k3", action=argparse.BooleanOptionalAction, default=True,
                         help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
     parser.add_argument("--rounds", type=int, default=2, help="replay/live pairs of step-time runs (0: none)")
@@ -84,14 +89,14 @@ def main(argv=None):
     if torch.cuda.device_count() < args.nproc:
         sys.exit(f"bench.megatron_rl: --nproc {args.nproc} needs as many GPUs; {torch.cuda.device_count()} visible")
     device = torch.cuda.get_device_name()
-    flags = f"--nproc {args.nproc} --iters {args.iters} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
+    flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
     table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
     notes = []
     if args.k3:
-        command, log, wall = run(args.runs, args.nproc, args.iters, replay=True, metrics=True, tag="metrics")
+        command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True, tag="metrics")
         report.append(f"    {command}    # {wall:.0f} s")
         rows = replay_metrics(log)
         if not rows:
@@ -108,7 +113,7 @@ def main(argv=None):
     times = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):
-            command, log, wall = run(args.runs, args.nproc, args.iters, replay, metrics=False,
+            command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
                                      tag=f"time-{'replay' if replay else 'live'}-{round_index}")
             report.append(f"    {command}    # {wall:.0f} s")
             times[replay] += step_times(log, args.skip)

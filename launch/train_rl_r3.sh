@@ -6,7 +6,9 @@
 # MEGATRON: a Megatron-LM main checkout with both series (make patch MEGATRON=...).
 # OUT (default runs/train_rl_r3): assets (launch/megatron_rl_assets.py), checkpoints, logs.
 # Environment: NPROC (GPUs, default 1), ITERS (train iterations, default 50), REPLAY (1: replay,
-# 0: route live; default 1), METRICS (1: --rl-routing-replay-metrics, default 1 with REPLAY=1),
+# 0: route live; default 1), SEQ_LEN (context of a rollout, prompt included, and of a packed bin;
+# default 512, at least 384: a countdown prompt is up to ~300 characters of the character-level
+# tokenizer, and the random-init model generates to the end of the context), METRICS (1: --rl-routing-replay-metrics, default 1 with REPLAY=1),
 # EXTRA_ARGS (more train_rl.py flags), PYTHON (Python >= 3.12, which Megatron-LM main needs;
 # default: this repository's .venv/bin/python, else python3; train_rl.py's dependencies: make
 # megatron-rl-deps). The model: qwen3_30b_a3b_moe.sh's architecture (RMSNorm, SwiGLU, QK-norm,
@@ -33,6 +35,9 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
   || refuse "$PYTHON is not Python >= 3.12 (Megatron-LM main imports typing.override): set PYTHON"
+SEQ_LEN=${SEQ_LEN:-512}
+[[ "$SEQ_LEN" =~ ^[0-9]+$ && "$SEQ_LEN" -ge 384 && "$SEQ_LEN" -le 1024 ]] \
+  || refuse "SEQ_LEN=$SEQ_LEN: give 384..1024 (countdown prompts take up to ~300 tokens; positions end at 1024)"
 OUT=$(mkdir -p "${1:-runs/train_rl_r3}" && cd "${1:-runs/train_rl_r3}" && pwd)
 NPROC=${NPROC:-1}
 ITERS=${ITERS:-50}
@@ -65,7 +70,7 @@ MODEL_ARGS=(
 )
 RL_ARGS=(
   --perform-rl-step --langrl-env-config "$OUT/assets/countdown.yaml"
-  --seq-length 512 --inference-max-seq-length 512 --inference-max-requests 32
+  --seq-length "$SEQ_LEN" --inference-max-seq-length "$SEQ_LEN" --inference-max-requests 32
   --micro-batch-size 1 --global-batch-size 32 --grpo-group-size 4 --grpo-prompts-per-step 8
   --grpo-iterations 1 --grpo-kl-beta 0.0 --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.2
   --rl-use-sequence-packing --rl-skip-bos-token

@@ -187,6 +187,13 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     old_python.chmod(0o755)
     proc = launch({"MEGATRON": str(tree), "PYTHON": str(old_python)}, tmp_path)
     assert proc.returncode == 2 and "is not Python >= 3.12 (Megatron-LM main imports typing.override)" in proc.stderr
+
+    new_python = tmp_path / "python3.12"  # passes the version check
+    new_python.write_text("#!/bin/sh\nexit 0\n")
+    new_python.chmod(0o755)
+    for short in ("256", "abc"):  # a countdown prompt alone takes up to ~300 tokens
+        proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "SEQ_LEN": short}, tmp_path)
+        assert proc.returncode == 2 and f"SEQ_LEN={short}: give 384..1024" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing made before the refusals
 
 
