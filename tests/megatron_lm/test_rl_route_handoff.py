@@ -61,7 +61,8 @@ def pack_like_megatron(rows, bin_size, multiple, max_per_bin):
     """megatron.rl.sequence_packing_utils.SequencePacker's placement: longest first, first fit in
     order, each sequence at a ``multiple``-aligned start; tokens, position ids, token-level loss
     mask per bin; seq_starts with the padded end as its last entry (PackingInfo)."""
-    lengths = [0 if r is None else len(r.trajectory[-1]) for r in rows]
+    # get_actual_sequence_lengths: up to the last token that is not the pad token.
+    lengths = [0 if r is None else int(np.flatnonzero(np.asarray(r.trajectory[-1]) != PAD)[-1]) + 1 for r in rows]
     order = sorted(range(len(rows)), key=lambda i: lengths[i], reverse=True)
     bins, current, used = [], [], 0
     for i in order:
@@ -81,7 +82,7 @@ def pack_like_megatron(rows, bin_size, multiple, max_per_bin):
         for i in seqs:
             starts[b].append(at)
             if rows[i] is not None:
-                traj, mask = rows[i].trajectory[-1], rows[i].generation_mask[-1]
+                traj, mask = rows[i].trajectory[-1][:lengths[i]], rows[i].generation_mask[-1][:lengths[i]]
                 tokens[b, at:at + len(traj)] = traj
                 positions[b, at:at + len(traj)] = np.arange(len(traj))
                 loss[b, at:at + len(traj)] = mask
@@ -144,6 +145,25 @@ def test_a_route_moved_by_one_token_is_caught(rr):
         record.routing_indices = moved
     packed, tokens, positions, _, _ = packed_bins(rr, [rollouts], ledger)
     assert any(misaligned(r.ids, r.recorded, tokens[b], positions[b]) for b, r in enumerate(packed))
+
+
+def test_a_completion_that_sampled_the_pad_token_last_keeps_the_routes_of_its_packed_tokens(rr):
+    """Packing counts a trajectory up to its last non-pad token, so a completion whose last
+    sampled tokens are the pad token is packed shorter than the engine ran it (a random-init
+    model on 1 x H200: a 512-token completion packed as 511 tokens with 511 routes)."""
+    rng = np.random.default_rng(3)
+    rollouts, ledger = make_group(rng, 0, size=3, prompt_len=5)
+    for k, rollout in enumerate(rollouts):  # the last 1, 2, 3 sampled tokens are the pad token
+        tokens = rollout.trajectory[0][:-(k + 1)] + [PAD] * (k + 1)
+        rollout.trajectory[0] = tokens
+        ledger[rollout.completion_ids[0]] = Record(engine_routes(tokens))
+    packed, tokens, positions, _, starts = packed_bins(rr, [rollouts], ledger)
+    recorded = 0
+    for b, routes in enumerate(packed):
+        assert misaligned(routes.ids, routes.recorded, tokens[b], positions[b]) == []
+        recorded += int(routes.recorded.sum())
+    # Each sequence keeps a route for every packed token (the engine ran the last one: a pad followed).
+    assert recorded == sum(len(r.trajectory[0]) - (k + 1) for k, r in enumerate(rollouts))
 
 
 def test_routes_of_the_wrong_length_are_refused_naming_the_completion(rr):
