@@ -86,7 +86,18 @@ TRAIN_ARGS=(
 )
 
 cd "$MEGATRON"
+LOG="$OUT/train_rl-replay$REPLAY-np$NPROC.log"
+# The run writes its log itself and this script follows it, rather than `| tee`: a pipe stays open while any
+# process the run leaves behind holds it, and a run on 1 x H200 logged its whole shutdown and still never
+# returned through `| tee`. A background job ignores SIGINT, so INT and TERM reach torchrun as TERM (waits stay interruptible).
 # --standalone: one node, a free rendezvous port (another run on the node keeps its own).
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" train_rl.py \
-  "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" ${EXTRA_ARGS:-} \
-  2>&1 | tee "$OUT/train_rl-replay$REPLAY-np$NPROC.log"
+  "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" ${EXTRA_ARGS:-} > "$LOG" 2>&1 &
+RUN=$!
+trap 'kill -TERM "$RUN" 2>/dev/null' INT TERM
+tail -n +1 -f --pid="$RUN" "$LOG" &
+TAIL=$!
+status=0
+wait "$RUN" || status=$?
+wait "$TAIL" || true
+exit "$status"

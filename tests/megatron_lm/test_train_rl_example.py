@@ -197,6 +197,29 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing made before the refusals
 
 
+def test_the_launch_script_returns_when_the_run_ends_though_a_child_outlives_it(tmp_path):
+    """The run's output reaches the caller and its exit status is the run's, even where a process the
+    run started still holds its output open (the script waited on such a pipe through `| tee`)."""
+    tree = tmp_path / "Megatron-LM"
+    (tree / "megatron" / "rl").mkdir(parents=True)
+    (tree / "train_rl.py").write_text("")
+    (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
+    (tmp_path / "out" / "assets").mkdir(parents=True)
+    (tmp_path / "out" / "assets" / "countdown.yaml").write_text("")
+    pidfile = tmp_path / "child.pid"
+    python = tmp_path / "python3.12"  # passes the version check; as torchrun: leaves a child behind, exits 3
+    python.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exit 0\nsleep 300 & echo $! > {pidfile}\n'
+                      'echo "training done"\nexit 3\n')
+    python.chmod(0o755)
+    try:
+        proc = launch({"MEGATRON": str(tree), "PYTHON": str(python), "ITERS": "1"}, tmp_path)
+        assert proc.returncode == 3 and "training done" in proc.stdout
+        assert "training done" in (tmp_path / "out" / "train_rl-replay1-np1.log").read_text()
+    finally:
+        if pidfile.exists():
+            subprocess.run(["kill", pidfile.read_text().strip()])
+
+
 def test_the_bench_reads_the_series_metrics_line_and_megatrons_step_times(rr):
     from bench.megatron_rl import replay_metrics, step_times
 
