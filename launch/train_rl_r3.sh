@@ -62,7 +62,11 @@ MODEL_ARGS=(
   --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 128 --moe-layer-freq 1
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001 --moe-token-dispatcher-type alltoall
   --attention-dropout 0.0 --hidden-dropout 0.0 --attention-softmax-in-fp32 --no-masked-softmax-fusion
-  --bf16 --transformer-impl transformer_engine --attention-backend flash --te-rng-tracker
+  --bf16 --transformer-impl transformer_engine --attention-backend fused --te-rng-tracker
+  # Training attention: cuDNN's (TE's own choice on Hopper and later), not `flash`: TE 2.20.2 hands
+  # FlashAttention-4 the causal window (-1, 0), which FA4 4.0.0b24 read as causal and 4.0.0b36 (the
+  # engine's pin) reads as a local window of -1 tokens to the left. With `flash` the trainer's and the
+  # engine's log-probs looked unrelated (k3 0.19 on 1 x H200). The engine calls FA4 itself. docs/megatron_rl.md.
   # Apex is not installed: its fused weight-gradient accumulation (Megatron's default) is off. fp32
   # routing, as Megatron recommends from 32 experts on.
   --no-gradient-accumulation-fusion --moe-router-dtype fp32
