@@ -38,6 +38,9 @@ fi
 SEQ_LEN=${SEQ_LEN:-512}
 [[ "$SEQ_LEN" =~ ^[0-9]+$ && "$SEQ_LEN" -ge 384 && "$SEQ_LEN" -le 1024 ]] \
   || refuse "SEQ_LEN=$SEQ_LEN: give 384..1024 (countdown prompts take up to ~300 tokens; positions end at 1024)"
+[[ " ${EXTRA_ARGS:-} " =~ [[:space:]]--attention-backend[[:space:]=]+flash[[:space:]] ]] \
+  && refuse "EXTRA_ARGS --attention-backend flash: TE 2.20.2 would train on FlashAttention-4, whose pinned 4.0.0b36 \
+reads TE's causal window (-1, 0) as a local one (not causal attention); the example trains with fused"
 OUT=$(mkdir -p "${1:-runs/train_rl_r3}" && cd "${1:-runs/train_rl_r3}" && pwd)
 NPROC=${NPROC:-1}
 ITERS=${ITERS:-50}

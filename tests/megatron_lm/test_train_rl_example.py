@@ -191,6 +191,9 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     new_python = tmp_path / "python3.12"  # passes the version check
     new_python.write_text("#!/bin/sh\nexit 0\n")
     new_python.chmod(0o755)
+    for extra in ("--attention-backend flash", "--seed 3 --attention-backend=flash --bf16"):
+        proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "EXTRA_ARGS": extra}, tmp_path)
+        assert proc.returncode == 2 and "EXTRA_ARGS --attention-backend flash: TE 2.20.2" in proc.stderr
     for short in ("256", "abc"):  # a countdown prompt alone takes up to ~300 tokens
         proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "SEQ_LEN": short}, tmp_path)
         assert proc.returncode == 2 and f"SEQ_LEN={short}: give 384..1024" in proc.stderr
