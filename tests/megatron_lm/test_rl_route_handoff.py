@@ -157,7 +157,7 @@ def test_a_completion_that_sampled_the_pad_token_last_keeps_the_routes_of_its_pa
         tokens = rollout.trajectory[0][:-(k + 1)] + [PAD] * (k + 1)
         rollout.trajectory[0] = tokens
         ledger[rollout.completion_ids[0]] = Record(engine_routes(tokens))
-    packed, tokens, positions, _, starts = packed_bins(rr, [rollouts], ledger)
+    packed, tokens, positions, _, _ = packed_bins(rr, [rollouts], ledger)
     recorded = 0
     for b, routes in enumerate(packed):
         assert misaligned(routes.ids, routes.recorded, tokens[b], positions[b]) == []

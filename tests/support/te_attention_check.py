@@ -4,9 +4,9 @@
 
 Sets TE's backend switches as Megatron-Core does for that choice (language_module.py), runs
 ``DotProductAttention`` on packed sequences (THD, ``padding_causal``, grouped-query heads, bf16)
-as the RL loop's packed training forward does, and prints one line: the backend TE selected and the
-largest difference from a float32 causal attention computed sequence by sequence (TE's debug log,
-switched on here, names the backend it selected). Exits 1 where the
+as the RL loop's packed training forward does, and prints one line: the largest difference from a
+float32 causal attention computed sequence by sequence (TE's debug log on stderr, switched on here,
+names the backend it selected). Exits 1 where the
 difference exceeds what bf16 rounding explains. A separate process per choice: TE reads the
 switches when it first picks a backend.
 """
