@@ -2,7 +2,8 @@
 
     MEGATRON=build/megatron-lm python -m bench.megatron_rl --nproc 1 --out build/bench/megatron-rl-np1.md
 
-Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small random-init MoE):
+Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, random-init or from
+``--init``, a checkpoint of ``launch/countdown_sft_r3.sh``), each run in a fresh folder under ``--runs``:
 
 * once (``--k3``, the default) with ``--moe-enable-routing-replay --rl-routing-replay-metrics`` for ``--iters``
   iterations: every rollout collection logs the train/inference mismatch of the same rollouts
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,9 +54,13 @@ def step_times(log: str, skip: int) -> list[float]:
 
 
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
-        tag: str) -> tuple[str, str, float]:
+        tag: str, init: Path | None = None) -> tuple[str, str, float]:
     """One run of the example; its command as the report prints it, its log and its wall time."""
     settings = dict(NPROC=nproc, ITERS=iters, SEQ_LEN=seq_len, REPLAY=int(replay), METRICS=int(metrics))
+    if init is not None:
+        settings["INIT"] = init
+    # The example resumes from its folder's checkpoints: a bench run starts from nothing of an earlier one.
+    shutil.rmtree(out / tag, ignore_errors=True)
     env = dict(os.environ, **{k: str(v) for k, v in settings.items()})
     command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
@@ -79,6 +85,7 @@ def main(argv=None):
                         help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
     parser.add_argument("--rounds", type=int, default=2, help="replay/live pairs of step-time runs (0: none)")
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
+    parser.add_argument("--init", type=Path, help="a checkpoint to start every run from (INIT of the example)")
     parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report")
     args = parser.parse_args(argv)
@@ -90,13 +97,16 @@ def main(argv=None):
         sys.exit(f"bench.megatron_rl: --nproc {args.nproc} needs as many GPUs; {torch.cuda.device_count()} visible")
     device = torch.cuda.get_device_name()
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
+    if args.init is not None:
+        flags += f" --init {args.init}"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
     table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
     notes = []
     if args.k3:
-        command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True, tag="metrics")
+        command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
+                                 tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
         rows = replay_metrics(log)
         if not rows:
@@ -114,7 +124,7 @@ def main(argv=None):
     for round_index in range(args.rounds):
         for replay in (True, False):
             command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
-                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}")
+                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init)
             report.append(f"    {command}    # {wall:.0f} s")
             times[replay] += step_times(log, args.skip)
     if args.rounds:

@@ -178,10 +178,6 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     assert proc.returncode == 2 and "lacks the Megatron-LM series: make patch MEGATRON=" in proc.stderr
 
     (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
-    with socket.create_server(("127.0.0.1", 8294)):  # a run already serving rollouts on this node
-        proc = launch({"MEGATRON": str(tree)}, tmp_path)
-    assert proc.returncode == 2 and "port 8294 is in use: another train_rl.py" in proc.stderr
-
     old_python = tmp_path / "python3.11"  # answers the version check as Python 3.11 does
     old_python.write_text("#!/bin/sh\nexit 1\n")
     old_python.chmod(0o755)
@@ -191,6 +187,11 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     new_python = tmp_path / "python3.12"  # passes the version check
     new_python.write_text("#!/bin/sh\nexit 0\n")
     new_python.chmod(0o755)
+    with socket.create_server(("127.0.0.1", 8294)):  # a run already serving rollouts on this node
+        proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python)}, tmp_path)
+    assert proc.returncode == 2 and "port 8294 is in use: another train_rl.py" in proc.stderr
+    proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "INIT": str(tmp_path)}, tmp_path)
+    assert proc.returncode == 2 and f"INIT={tmp_path} holds no Megatron checkpoint" in proc.stderr
     for extra in ("--attention-backend flash", "--seed 3 --attention-backend=flash --bf16"):
         proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "EXTRA_ARGS": extra}, tmp_path)
         assert proc.returncode == 2 and "EXTRA_ARGS --attention-backend flash: TE 2.20.2" in proc.stderr
