@@ -118,9 +118,9 @@ def moe_routing_for_chunk(
                     f"builds {moe_layers})"
                 )
             rows = [layer_numbers.index(n) for n in moe_layers]
-            expert_ids = expert_ids.index_select(
-                0, torch.tensor(rows, dtype=torch.long, device=expert_ids.device)
-            )
+            # A blocking host-to-device copy of the index would wait for the stream.
+            index = torch.tensor(rows, dtype=torch.long).to(expert_ids.device, non_blocking=True)
+            expert_ids = expert_ids.index_select(0, index)
             if host_tokens_per_expert is not None:
                 host_tokens_per_expert = host_tokens_per_expert[:, rows]
     return MoERouting(

@@ -170,3 +170,24 @@ def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
         device_counts = not result["te_grouped_by_default"]
     assert result["device_counts"] == device_counts
     assert result["syncs"] == 0 if device_counts else result["syncs"] > 0
+
+
+def test_routes_given_in_another_layer_order_are_selected_without_a_host_sync():
+    """A caller may hold the routes' layers in another order than the chunk builds them (or more
+    layers, of other pipeline stages): the rows are selected by an index on the device, whose
+    blocking host-to-device copy waited for the stream (fails before)."""
+    from tests.support.replay import NUM_EXPERTS, TOPK, init_single_rank, make_config, make_model
+
+    init_single_rank()
+    model = make_model(make_config()).cuda()  # MoE layers 2, 3, 4
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.stack([torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOPK] for _ in range(12)])
+                       for _ in range(3)]).cuda()  # rows for layers 4, 2, 3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routing = moe_routing_for_chunk(model, ids, layer_numbers=[4, 2, 3], every_token_routed=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert routing.layer_numbers == [2, 3, 4]
+    assert torch.equal(routing.expert_ids, ids[[1, 2, 0]])

@@ -145,3 +145,24 @@ def test_flags_replay_cannot_take_are_refused_by_name(rr, overrides, flag):
         return
     with pytest.raises(rr.RoutingReplayError, match=flag.replace("-", r"\-")):
         rr.check_args(rl_args(**overrides))
+
+
+@pytest.mark.gpu
+def test_a_bins_routing_on_the_gpu_makes_no_host_sync(rr, models):
+    """Building a bin's MoERouting runs in every microbatch's forward step: no host sync there.
+    The engine's routes hold the layers in another order than the chunk builds them, so rows are
+    selected by an index (a blocking host-to-device copy of it waited for the stream; fails before)."""
+    model = models[0].cuda()
+    routes = random_bin_routes(10, seed=5)  # columns for layers 4, 2, 3 below
+    packed = rr.BinRoutes(ids=routes.astype(np.uint8), valid=np.ones(10, bool), recorded=np.ones(10, bool),
+                          every_token_routed=True, live=0)
+    replay = rr.BinReplay(packed, (4, 2, 3), torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routing = replay.moe_routing(Wrapper(model), None, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    given = torch.from_numpy(routes).long().permute(1, 0, 2).cuda()  # [layers 4, 2, 3; tokens; K]
+    assert routing.layer_numbers == list(MOE_LAYERS)
+    assert torch.equal(routing.expert_ids, given[[1, 2, 0]])
