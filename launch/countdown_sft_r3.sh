@@ -21,8 +21,9 @@ SFT_ITERS=${SFT_ITERS:-300}
 SFT_DOCUMENTS=${SFT_DOCUMENTS:-20000}
 [[ "$SFT_ITERS" =~ ^[1-9][0-9]*$ ]] || refuse "SFT_ITERS=$SFT_ITERS: give a positive number of iterations"
 [[ "$SFT_DOCUMENTS" =~ ^[1-9][0-9]*$ ]] || refuse "SFT_DOCUMENTS=$SFT_DOCUMENTS: give a positive number of tasks"
-OUT=$(mkdir -p "${1:-runs/countdown_sft}" && cd "${1:-runs/countdown_sft}" && pwd)
 NPROC=${NPROC:-1}
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] && (( 64 % NPROC == 0 )) || refuse "NPROC=$NPROC: give a number of GPUs that divides 64"
+OUT=$(mkdir -p "${1:-runs/countdown_sft}" && cd "${1:-runs/countdown_sft}" && pwd)
 
 offline_env "$OUT"
 [ -f "$OUT/assets/countdown.yaml" ] || "$PYTHON" "$HERE/megatron_rl_assets.py" "$OUT/assets"
@@ -36,7 +37,8 @@ DATA_ARGS=(
   --data-path "$CORPUS" --split 100,0,0 --data-cache-path "$OUT/data-cache" --seq-length "$SEQ_LEN"
 )
 TRAIN_ARGS=(
-  --train-iters "$SFT_ITERS" --micro-batch-size 16 --global-batch-size 64
+  # One microbatch per rank and iteration: the step of this small model is bound by the host's issue time.
+  --train-iters "$SFT_ITERS" --micro-batch-size $((64 / NPROC)) --global-batch-size 64
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --clip-grad 1.0 --weight-decay 0.01
   --optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --seed 1234
   --log-interval 10 --eval-interval 1000000 --eval-iters 0

@@ -105,6 +105,9 @@ def test_the_sft_script_refuses_what_cannot_run_naming_it(tmp_path):
         assert proc.returncode == 2 and f"SFT_ITERS={bad}: give a positive number" in proc.stderr
         proc = launch(MEGATRON=str(tree), SFT_DOCUMENTS=bad)
         assert proc.returncode == 2 and f"SFT_DOCUMENTS={bad}: give a positive number" in proc.stderr
+    for bad in ("3", "0", "x"):  # 64 sequences an iteration, one microbatch per GPU
+        proc = launch(MEGATRON=str(tree), NPROC=bad)
+        assert proc.returncode == 2 and f"NPROC={bad}: give a number of GPUs that divides 64" in proc.stderr
     proc = launch(MEGATRON=str(tree), EXTRA_ARGS="--attention-backend flash")
     assert proc.returncode == 2 and "EXTRA_ARGS --attention-backend flash" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing made before the refusals
