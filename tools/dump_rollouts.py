@@ -193,6 +193,7 @@ from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.formats.jsonl import json_line
 from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.formats.route_lists import parse_route_lists
+from megatron_r3.dataplane.formats.route_strings import parse_route_strings
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.sample_checks import loss_number
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -489,7 +490,8 @@ LINE_BUFFER_BYTES = 16 << 20
 
 def _records(path: str, route_lists: bool = False) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line; with ``route_lists``, Megatron's nested route lists
-    come as int32 arrays (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`)."""
+    come as int32 arrays (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`), else base64
+    route strings are cut out before the JSON parse (:mod:`megatron_r3.dataplane.formats.route_strings`)."""
     # Bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError. A 16 MiB buffer: a rollout line
     # holds megabytes of routes, which the default 8 KiB buffer gathers in many small reads and copies.
     with open(path, "rb", buffering=LINE_BUFFER_BYTES) as f:
@@ -498,7 +500,7 @@ def _records(path: str, route_lists: bool = False) -> Iterator[tuple[int, dict]]
             if route_lists:
                 record = parse_route_lists(raw, lambda text: json_line(text, where, InputLineError))
             else:
-                record = json_line(raw, where, InputLineError)
+                record = parse_route_strings(raw, lambda text: json_line(text, where, InputLineError))
             if record is None:
                 continue
             if not isinstance(record, dict):
@@ -526,11 +528,11 @@ def _field(record: dict, key: str, what: str, kind: Any, required: bool = True) 
     return value
 
 
-def _positions(positions: Optional[list], what: str) -> Optional[list]:
+def _positions(positions: Optional[list], what: str) -> Optional["JsonPositions"]:
     """JSON per-position log-probs -> vLLM's ``[{token_id: Logprob}]`` (None entries stay None).
 
-    Each position is read lazily (:class:`JsonPosition`): the adapter looks up one token per
-    position, and only that entry is converted. The log-prob values are passed on as they
+    The positions are read lazily (:class:`JsonPositions`): the adapter looks up one token per
+    position, and only that entry is read. The log-prob values are passed on as they
     are: the engine adapter checks that they are finite numbers <= 0 and names the token.
     """
     if positions is None:
@@ -539,7 +541,43 @@ def _positions(positions: Optional[list], what: str) -> Optional[list]:
         bad = next(i for i, p in enumerate(positions) if p is not None and not isinstance(p, dict))
         raise InputLineError(f"{what}[{bad}] must map token ids to {{\"logprob\": float, ...}}, got "
                              f"{json.dumps(positions[bad])[:200]}")
-    return [None if position is None else JsonPosition(position, what, i) for i, position in enumerate(positions)]
+    return JsonPositions(positions, what)
+
+
+class JsonPositions:
+    """A line's per-position log-probs, read as vLLM's list of ``{token_id: Logprob}``: position by position
+    (:class:`JsonPosition`, made when asked for), or the chosen tokens' log-probs in one pass
+    (:meth:`chosen_logprobs`), without an object per position."""
+
+    __slots__ = ("positions", "what", "first")
+
+    def __init__(self, positions: list, what: str, first: int = 0):
+        self.positions, self.what, self.first = positions, what, first
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, _, step = index.indices(len(self.positions))
+            if step != 1:
+                raise ValueError("JSON positions are sliced with step 1 only")
+            return JsonPositions(self.positions[index], self.what, self.first + start)
+        number = range(len(self.positions))[index]
+        position = self.positions[number]
+        return None if position is None else JsonPosition(position, self.what, self.first + number)
+
+    def __iter__(self) -> Iterator[Optional["JsonPosition"]]:
+        return (self[i] for i in range(len(self.positions)))
+
+    def chosen_logprobs(self, tokens: list) -> Optional[list]:
+        """Each position's ``logprob`` for its token in ``tokens`` (as the line gives it), or None where a
+        position is null, lacks the token or its entry is not ``{"logprob": ...}``: position by position then
+        names the fault."""
+        try:
+            return [position[str(token)]["logprob"] for position, token in zip(self.positions, tokens)]
+        except (TypeError, KeyError):
+            return None
 
 
 class JsonPosition:

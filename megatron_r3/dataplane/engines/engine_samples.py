@@ -583,13 +583,16 @@ def _chosen_logprobs(positions: Any, token_ids: np.ndarray, where: str, field: s
     if len(positions) != len(token_ids):
         raise RoutingValidationError(f"{where}: {field} has {len(positions)} positions for {len(token_ids)} tokens")
     tokens = token_ids.tolist()
-    entries = [None if position is None else position.get(token) for position, token in zip(positions, tokens)]
-    if None in entries:
-        i = entries.index(None)
-        raise RoutingValidationError(
-            f"{where}: {field}[{i + offset}] has no entry for token {tokens[i]}, the token at that position"
-        )
-    values = [getattr(entry, "logprob", None) for entry in entries]
+    # Positions parsed from JSON give the chosen log-probs in one pass where they can (tools/dump_rollouts.py).
+    values = positions.chosen_logprobs(tokens) if hasattr(positions, "chosen_logprobs") else None
+    if values is None:
+        entries = [None if position is None else position.get(token) for position, token in zip(positions, tokens)]
+        if None in entries:
+            i = entries.index(None)
+            raise RoutingValidationError(
+                f"{where}: {field}[{i + offset}] has no entry for token {tokens[i]}, the token at that position"
+            )
+        values = [getattr(entry, "logprob", None) for entry in entries]
     if not set(map(type, values)) <= {float, int}:  # name the first entry that is not a number
         for i, value in enumerate(values):
             logprob_value(value, where, f"{field}[{i + offset}][{tokens[i]}].logprob")

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from megatron_r3.dataplane.formats.line_placeholders import put_back
+
 try:
     from megatron_r3 import _C
 except ImportError:  # extension not built: the general JSON path reads every line
@@ -73,29 +75,7 @@ def parse_route_lists(raw: bytes, parse_json: Callable[[bytes], object]) -> obje
         value = parse_json(b"".join(pieces))
     except ValueError:  # the line's own fault, named as the general path names it (its columns)
         return parse_json(raw)
-    if _put_back(value, arrays) != len(arrays):
+    if put_back(value, arrays, ROUTE_LIST_KEYS) != len(arrays):
         return parse_json(raw)
     return value
 
-
-def _put_back(value: object, arrays: dict) -> int:
-    """Replaces each placeholder that is a route key's value by its array; returns how many were."""
-    found = 0
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(item, str):
-                if key in ROUTE_LIST_KEYS and item in arrays:
-                    value[key] = arrays[item]
-                    found += 1
-            elif isinstance(item, (dict, list)) and _holds_containers(item):
-                found += _put_back(item, arrays)
-    elif isinstance(value, list):
-        for item in value:
-            if isinstance(item, (dict, list)):
-                found += _put_back(item, arrays)
-    return found
-
-
-def _holds_containers(value: object) -> bool:
-    """Whether a JSON value may hold a dict (a list of numbers, as token ids are, need not be walked)."""
-    return isinstance(value, dict) or (bool(value) and isinstance(value[0], (dict, list)))

@@ -1,0 +1,44 @@
+"""Values cut out of a JSONL line before its JSON parse, put back in their place after it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def put_back(value: object, cut: dict, keys: tuple, wanted: Optional[int] = None) -> int:
+    """Replaces each placeholder string (a key of ``cut``) that is the value of one of ``keys`` by
+    ``cut[placeholder]``; returns how many were. A placeholder anywhere else stays as it is: the caller
+    compares the count with ``len(cut)`` and reads the line the general way where they differ.
+
+    The walk stops once ``wanted`` (default: all of ``cut``) are back, and enters a dict's objects before its
+    arrays: the routes sit beside arrays of thousands of log-prob objects, which it then need not walk.
+    """
+    wanted = len(cut) if wanted is None else wanted
+    found = 0
+    if isinstance(value, dict):
+        objects, arrays = [], []
+        for key, item in value.items():
+            if isinstance(item, str):
+                if key in keys and item in cut:
+                    value[key] = cut[item]
+                    found += 1
+            elif isinstance(item, dict):
+                objects.append(item)
+            elif isinstance(item, list) and _holds_containers(item):
+                arrays.append(item)
+        for item in objects + arrays:
+            if found >= wanted:
+                break
+            found += put_back(item, cut, keys, wanted - found)
+    elif isinstance(value, list):
+        for item in value:
+            if found >= wanted:
+                break
+            if isinstance(item, (dict, list)):
+                found += put_back(item, cut, keys, wanted - found)
+    return found
+
+
+def _holds_containers(value: object) -> bool:
+    """Whether a JSON value may hold a dict (a list of numbers, as token ids are, need not be walked)."""
+    return isinstance(value, dict) or (bool(value) and isinstance(value[0], (dict, list)))
