@@ -173,6 +173,9 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import mmap
+import os
+import stat
 import sys
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional, TextIO
@@ -488,24 +491,41 @@ def _summary(counts: dict) -> str:
 LINE_BUFFER_BYTES = 16 << 20
 
 
+def _lines(path: str) -> Iterator[bytes]:
+    """The file's lines as bytes. A regular file is read through a memory map, each line one copy out of the page
+    cache (a rollout line holds megabytes of routes: buffered reads copy them twice, 2.5x the time); anything else
+    (a pipe, an empty file, which cannot be mapped) through a 16 MiB buffer (the default 8 KiB one gathers such a
+    line in many small reads and copies)."""
+    with open(path, "rb", buffering=LINE_BUFFER_BYTES) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            yield from f
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            at, size = 0, len(mapped)
+            while at < size:
+                end = mapped.find(b"\n", at)
+                end = size if end < 0 else end + 1
+                yield mapped[at:end]
+                at = end
+
+
 def _records(path: str, route_lists: bool = False) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) of every non-blank line; with ``route_lists``, Megatron's nested route lists
     come as int32 arrays (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`), else base64
     route strings are cut out before the JSON parse (:mod:`megatron_r3.dataplane.formats.route_strings`)."""
-    # Bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError. A 16 MiB buffer: a rollout line
-    # holds megabytes of routes, which the default 8 KiB buffer gathers in many small reads and copies.
-    with open(path, "rb", buffering=LINE_BUFFER_BYTES) as f:
-        for number, raw in enumerate(f, start=1):
-            where = f"{path} line {number}"
-            if route_lists:
-                record = parse_route_lists(raw, lambda text: json_line(text, where, InputLineError))
-            else:
-                record = parse_route_strings(raw, lambda text: json_line(text, where, InputLineError))
-            if record is None:
-                continue
-            if not isinstance(record, dict):
-                raise InputLineError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
-            yield number, record
+    # Bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError.
+    for number, raw in enumerate(_lines(path), start=1):
+        where = f"{path} line {number}"
+        if route_lists:
+            record = parse_route_lists(raw, lambda text: json_line(text, where, InputLineError))
+        else:
+            record = parse_route_strings(raw, lambda text: json_line(text, where, InputLineError))
+        if record is None:
+            continue
+        if not isinstance(record, dict):
+            raise InputLineError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
+        yield number, record
 
 
 def _json_type(value: Any) -> str:

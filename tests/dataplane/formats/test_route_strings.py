@@ -121,3 +121,12 @@ def test_sliced_positions_keep_their_numbers_in_messages():
     assert len(tail) == 2 and tail[0].index == 1 and positions[0] is None and positions[-1].index == 2
     with pytest.raises(InputLineError, match=r"prompt_logprobs\[2\]\[2\]"):
         _chosen_logprobs(tail, np.array([1, 2]), "request 'r'", "prompt_logprobs", first=1, offset=1)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"a", b"a\nb", b"a\r\n\nb\n", b"\n\n{}\n", b"x" * 70000 + b"\ny"])
+def test_mapped_lines_match_buffered_lines(tmp_path, content):
+    from tools.dump_rollouts import _lines
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(content)
+    assert list(_lines(str(path))) == io.BytesIO(content).readlines()
