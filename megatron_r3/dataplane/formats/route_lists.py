@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megatron_r3.dataplane.formats.line_placeholders import put_back
+from megatron_r3.dataplane.formats.line_placeholders import parse_with_cut
 
 try:
     from megatron_r3 import _C
@@ -68,14 +68,6 @@ def parse_route_lists(raw: bytes, parse_json: Callable[[bytes], object]) -> obje
         arrays[name] = array
         pieces += [raw[at:begin], b'"', name.encode(), b'"']
         at = search_from = end
-    if not arrays:
-        return parse_json(raw)
     pieces.append(raw[at:])
-    try:
-        value = parse_json(b"".join(pieces))
-    except ValueError:  # the line's own fault, named as the general path names it (its columns)
-        return parse_json(raw)
-    if put_back(value, arrays, ROUTE_LIST_KEYS) != len(arrays):
-        return parse_json(raw)
-    return value
+    return parse_with_cut(raw, pieces, arrays, ROUTE_LIST_KEYS, parse_json)
 

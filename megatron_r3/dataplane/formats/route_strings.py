@@ -17,7 +17,7 @@ import os
 import re
 from typing import Callable
 
-from megatron_r3.dataplane.formats.line_placeholders import put_back
+from megatron_r3.dataplane.formats.line_placeholders import parse_with_cut
 
 ROUTE_STRING_KEYS = ("routed_experts", "prompt_routed_experts", "base64")
 _ROUTE_STRING = re.compile(rb'"(' + b"|".join(k.encode() for k in ROUTE_STRING_KEYS) + rb')"[ \t\r\n]*:[ \t\r\n]*"')
@@ -51,13 +51,5 @@ def parse_route_strings(raw: bytes, parse_json: Callable[[bytes], object]) -> ob
         strings[name] = text
         pieces += [view[at:begin], name.encode()]
         at = end
-    if not strings:
-        return parse_json(raw)
     pieces.append(view[at:])
-    try:
-        value = parse_json(b"".join(pieces))
-    except ValueError:  # the line's own fault, named as the general path names it (its columns)
-        return parse_json(raw)
-    if put_back(value, strings, ROUTE_STRING_KEYS) != len(strings):
-        return parse_json(raw)
-    return value
+    return parse_with_cut(raw, pieces, strings, ROUTE_STRING_KEYS, parse_json)
