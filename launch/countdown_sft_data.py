@@ -14,7 +14,7 @@ The tasks are drawn with another seed than the RL data set's. Written with Megat
 ``IndexedDatasetBuilder`` as ``PREFIX.bin`` and ``PREFIX.idx`` (``--data-path PREFIX``).
 
 Usage (in a Megatron-LM checkout, its ``megatron`` first on the path):
-    python launch/countdown_sft_data.py ASSETS PREFIX [--documents N]
+    python launch/countdown_sft_data.py ASSETS PREFIX [--documents N] [--overwrite]
 ASSETS: the folder launch/megatron_rl_assets.py made (tokenizer/, countdown.yaml).
 """
 
@@ -46,10 +46,15 @@ def write_corpus(tokenizer, prefix, documents: int, path_prefix: str) -> int:
     rows, solutions = megatron_rl_assets.countdown_rows(documents, seed=SFT_SEED)
     texts = [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats(prefix, rows, solutions)]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    builder = IndexedDatasetBuilder(get_bin_path(path_prefix), dtype=DType.optimal_dtype(len(tokenizer)))
+    # Written under another prefix and renamed into place, the index last: a run stopped while writing
+    # leaves no index that names a partial data file.
+    partial = f"{path_prefix}.partial-{os.getpid()}"
+    builder = IndexedDatasetBuilder(get_bin_path(partial), dtype=DType.optimal_dtype(len(tokenizer)))
     for doc in ids:
         builder.add_document(np.asarray(doc), [len(doc)])
-    builder.finalize(get_idx_path(path_prefix))
+    builder.finalize(get_idx_path(partial))
+    os.replace(get_bin_path(partial), get_bin_path(path_prefix))
+    os.replace(get_idx_path(partial), get_idx_path(path_prefix))
     return sum(len(doc) for doc in ids)
 
 
@@ -68,9 +73,14 @@ def main(argv=None) -> int:
     parser.add_argument("assets", help="the folder launch/megatron_rl_assets.py made")
     parser.add_argument("prefix", help="the data set's path prefix (PREFIX.bin, PREFIX.idx)")
     parser.add_argument("--documents", type=int, default=20000, help="answered tasks (default 20000)")
+    parser.add_argument("--overwrite", action="store_true", help="replace PREFIX.bin and PREFIX.idx where they exist")
     args = parser.parse_args(argv)
     if args.documents < 1:
         parser.error(f"--documents {args.documents}: give at least 1")
+    existing = [p for p in (f"{args.prefix}.bin", f"{args.prefix}.idx") if os.path.exists(p)]
+    if existing and not args.overwrite:
+        print(f"countdown_sft_data: error: {existing[0]} exists (--overwrite replaces it)", file=sys.stderr)
+        return 1
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.assets, "tokenizer"))

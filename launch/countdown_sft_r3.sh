@@ -30,7 +30,7 @@ offline_env "$OUT"
 CORPUS="$OUT/assets/sft/countdown"
 # In the checkout: its megatron package (Megatron-LM main's) writes the data set and loads the agent.
 [ -f "$CORPUS.idx" ] || (cd "$MEGATRON" && PYTHONPATH="$MEGATRON" "$PYTHON" "$HERE/countdown_sft_data.py" \
-  "$OUT/assets" "$CORPUS" --documents "$SFT_DOCUMENTS")
+  "$OUT/assets" "$CORPUS" --documents "$SFT_DOCUMENTS" --overwrite)  # no index: no whole corpus there
 
 model_args "$OUT/assets/tokenizer"
 DATA_ARGS=(

@@ -47,6 +47,13 @@ def test_each_answered_chat_is_one_document_that_continues_the_rl_loop_s_prompt(
         assert tokenizer.decode(doc[len(asked_ids):]) == f"<answer> {solution} </answer><|end|>"
         assert doc[-1] == tokenizer.eos_token_id  # Megatron's EOD for a HuggingFace tokenizer
         assert eval(solution) == target  # noqa: S307 (our own expressions)
+    assert sorted(os.listdir(tmp_path / "sft")) == ["countdown.bin", "countdown.idx"]  # nothing partial left
+
+
+def test_the_corpus_script_refuses_to_replace_a_corpus_without_overwrite(tmp_path, capsys):
+    (tmp_path / "countdown.idx").write_text("")
+    assert countdown_sft_data.main([str(tmp_path / "assets"), str(tmp_path / "countdown")]) == 1
+    assert f"{tmp_path / 'countdown.idx'} exists (--overwrite replaces it)" in capsys.readouterr().err
 
 
 def test_the_corpus_takes_megatron_lm_s_countdown_prompt_and_each_answer_earns_the_full_reward(checkout, assets,
