@@ -106,10 +106,23 @@ py::tuple parse_int_lists(const py::buffer& text, int64_t start) {
   return py::make_tuple(std::get<0>(parsed), std::get<1>(parsed), std::get<2>(parsed));
 }
 
+
+// A bytes-like object's JSON per-position log-probs at `start` (no copy of the text).
+py::tuple parse_logprob_positions(const py::buffer& text, int64_t start) {
+  const py::buffer_info info = text.request();
+  TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.strides[0] == 1, "text must be contiguous bytes");
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> parsed;
+  {
+    py::gil_scoped_release release;
+    parsed = r3::parse_logprob_positions(static_cast<const uint8_t*>(info.ptr), info.size, start);
+  }
+  return py::make_tuple(std::get<0>(parsed), std::get<1>(parsed), std::get<2>(parsed), std::get<3>(parsed));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record), JSON route lists";
+  m.doc() = "megatron-r3 kernels: routing packing (gather for replay, scatter for record), JSON route lists and log-probs";
 #ifdef R3_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
@@ -123,5 +136,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_recorded"));
   m.def("parse_int_lists", &parse_int_lists,
         "JSON nested integer lists at text[start:] -> (flat int32 tensor, shape, offset after the list)",
+        py::arg("text"), py::arg("start") = 0);
+  m.def("parse_logprob_positions", &parse_logprob_positions,
+        "vLLM's JSON per-position log-probs at text[start:] -> (token ids, log-probs, entries per position, offset "
+        "after the list)",
         py::arg("text"), py::arg("start") = 0);
 }

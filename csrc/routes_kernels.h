@@ -28,6 +28,10 @@ void scatter_routes_cpu(const at::Tensor& expert_ids, const at::Tensor& token_in
 // Raises (c10::Error) on anything but strict, rectangular, non-empty lists of int32 integers.
 std::tuple<at::Tensor, std::vector<int64_t>, int64_t> parse_int_lists(const uint8_t* text, int64_t size,
                                                                       int64_t start);
+// vLLM's JSON per-position log-probs at text[start:] -> (entry token ids int64, entry log-probs float64,
+// entries per position int64, offset after the list); strict (logprob_positions_cpu.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> parse_logprob_positions(const uint8_t* text, int64_t size,
+                                                                                 int64_t start);
 
 #ifdef R3_WITH_CUDA
 void gather_routes_cuda(const at::Tensor& ids, const at::Tensor& valid, const at::Tensor& token_index,

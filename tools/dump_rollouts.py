@@ -194,9 +194,11 @@ from megatron_r3.dataplane.engines.engine_samples import (
 from megatron_r3.dataplane.engines.multi_turn import merge_turns
 from megatron_r3.dataplane.formats.dump_writer import RolloutDumpWriter
 from megatron_r3.dataplane.formats.jsonl import json_line
+from megatron_r3.dataplane.formats.line_placeholders import parse_cut_line
+from megatron_r3.dataplane.formats.logprob_positions import LOGPROB_KEYS, LogprobPositions, logprob_position_cuts
 from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.formats.route_lists import parse_route_lists
-from megatron_r3.dataplane.formats.route_strings import parse_route_strings
+from megatron_r3.dataplane.formats.route_strings import ROUTE_STRING_KEYS, route_string_cuts
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.dataplane.sample_checks import loss_number
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -311,9 +313,13 @@ def _request(record: dict, what: str) -> tuple[SimpleNamespace, list]:
         index = out.get("index", position)
         if isinstance(index, bool) or not isinstance(index, int):
             raise InputLineError(f"{where}.index must be an integer, got {_json_type(index)}")
-        logprobs = _field(out, "logprobs", where, list, required=False)
-        if logprobs and not isinstance(logprobs[0], (int, float)):  # per position {token_id: Logprob}
-            logprobs = _positions(logprobs, f"{where}.logprobs")
+        logprobs = out.get("logprobs")
+        if isinstance(logprobs, LogprobPositions):  # read by the scanner; its text by the general path if need be
+            logprobs = logprobs.with_general(lambda value, what=f"{where}.logprobs": _positions(value, what))
+        else:
+            logprobs = _field(out, "logprobs", where, list, required=False)
+            if logprobs and not isinstance(logprobs[0], (int, float)):  # per position {token_id: Logprob}
+                logprobs = _positions(logprobs, f"{where}.logprobs")
         request.outputs.append(SimpleNamespace(
             index=index,
             token_ids=_field(out, "token_ids", where, list),
@@ -430,7 +436,7 @@ def dump_jsonl(
     writer = None
     with atomic_output(out_path, inputs=[input_path], overwrite=overwrite) as partial:
         try:
-            for number, record in _records(input_path, route_lists=engine == "megatron"):
+            for number, record in _records(input_path, engine):
                 try:
                     samples, rerouted = line_samples(record, engine, spec, vocab_size)
                     for sample in samples:
@@ -510,17 +516,25 @@ def _lines(path: str) -> Iterator[bytes]:
                 at = end
 
 
-def _records(path: str, route_lists: bool = False) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) of every non-blank line; with ``route_lists``, Megatron's nested route lists
-    come as int32 arrays (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`), else base64
-    route strings are cut out before the JSON parse (:mod:`megatron_r3.dataplane.formats.route_strings`)."""
+def _records(path: str, engine: str) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line. Megatron's nested route lists come as int32 arrays
+    (:func:`megatron_r3.dataplane.formats.route_lists.parse_route_lists`); the other engines' base64 route
+    strings are cut out before the JSON parse (:mod:`megatron_r3.dataplane.formats.route_strings`), and so are
+    vLLM's per-position log-probs (:mod:`megatron_r3.dataplane.formats.logprob_positions`)."""
     # Bytes: a line that is not UTF-8 is named, not a UnicodeDecodeError.
     for number, raw in enumerate(_lines(path), start=1):
         where = f"{path} line {number}"
-        if route_lists:
-            record = parse_route_lists(raw, lambda text: json_line(text, where, InputLineError))
+
+        def parse(text: bytes, where: str = where) -> object:
+            return json_line(text, where, InputLineError)
+
+        if engine == "megatron":
+            record = parse_route_lists(raw, parse)
+        elif engine == "vllm":
+            record = parse_cut_line(raw, route_string_cuts(raw) + logprob_position_cuts(raw),
+                                    ROUTE_STRING_KEYS + LOGPROB_KEYS, parse)
         else:
-            record = parse_route_strings(raw, lambda text: json_line(text, where, InputLineError))
+            record = parse_cut_line(raw, route_string_cuts(raw), ROUTE_STRING_KEYS, parse)
         if record is None:
             continue
         if not isinstance(record, dict):

@@ -593,7 +593,8 @@ def _chosen_logprobs(positions: Any, token_ids: np.ndarray, where: str, field: s
                 f"{where}: {field}[{i + offset}] has no entry for token {tokens[i]}, the token at that position"
             )
         values = [getattr(entry, "logprob", None) for entry in entries]
-    if not set(map(type, values)) <= {float, int}:  # name the first entry that is not a number
+    # An array comes from the scanner of tools/dump_rollouts.py: numbers only.
+    if not isinstance(values, np.ndarray) and not set(map(type, values)) <= {float, int}:  # name the first bad one
         for i, value in enumerate(values):
             logprob_value(value, where, f"{field}[{i + offset}][{tokens[i]}].logprob")
     out = np.array(values, np.float32)

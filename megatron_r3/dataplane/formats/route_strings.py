@@ -13,11 +13,10 @@ JSON parse.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Callable
 
-from megatron_r3.dataplane.formats.line_placeholders import parse_with_cut
+from megatron_r3.dataplane.formats.line_placeholders import parse_cut_line
 
 ROUTE_STRING_KEYS = ("routed_experts", "prompt_routed_experts", "base64")
 _ROUTE_STRING = re.compile(rb'"(' + b"|".join(k.encode() for k in ROUTE_STRING_KEYS) + rb')"[ \t\r\n]*:[ \t\r\n]*"')
@@ -30,11 +29,14 @@ def parse_route_strings(raw: bytes, parse_json: Callable[[bytes], object]) -> ob
         raw: The line's bytes.
         parse_json: What parses the rest of the line (and the whole line, where this path does not apply).
     """
-    # As in route_lists: a key inside a string cannot be told from the bytes alone, so every placeholder must
-    # come back as a route key's value, or the line is read the general way.
-    nonce = os.urandom(8).hex()
+    return parse_cut_line(raw, route_string_cuts(raw), ROUTE_STRING_KEYS, parse_json)
+
+
+def route_string_cuts(raw: bytes) -> list:
+    """``(begin, end, text)`` of each route string of the line without escapes or non-ASCII bytes: ``raw[begin:end]``
+    the string with its quotes, ``text`` its content as a ``str``."""
     view = memoryview(raw)
-    pieces, strings, at, search_from = [], {}, 0, 0
+    cuts, search_from = [], 0
     while (match := _ROUTE_STRING.search(raw, search_from)) is not None:
         begin = match.end()
         end = raw.find(b'"', begin)
@@ -47,9 +49,5 @@ def parse_route_strings(raw: bytes, parse_json: Callable[[bytes], object]) -> ob
             text = str(view[begin:end], "ascii")
         except UnicodeDecodeError:
             continue
-        name = f"r3-route-string {nonce} {len(strings)}"
-        strings[name] = text
-        pieces += [view[at:begin], name.encode()]
-        at = end
-    pieces.append(view[at:])
-    return parse_with_cut(raw, pieces, strings, ROUTE_STRING_KEYS, parse_json)
+        cuts.append((begin - 1, end + 1, text))
+    return cuts
