@@ -3,7 +3,7 @@
 //
 // Strict, a subset of JSON: each position a non-empty object whose keys are token ids (decimal digits, no
 // leading zero) and whose values are objects holding one "logprob" number beside other fields of scalar value
-// (ASCII strings with valid escapes, numbers, true, false, null). Anything else (null positions, nested values,
+// (ASCII strings with valid escapes but no surrogates, numbers, true, false, null). Anything else (null positions, nested values,
 // non-ASCII bytes, escaped keys, NaN) is refused with the byte offset, and the caller reads the text the
 // general way.
 #include <torch/extension.h>
@@ -67,6 +67,10 @@ class Scanner {
       const uint8_t e = text_[pos_++];
       if (e == 'u') {
         for (int i = 0; i < 4; ++i) TORCH_CHECK(pos_ < size_ && is_hex(text_[pos_++]), "offset ", pos_, ": bad \\u");
+        // A surrogate (paired or lone: orjson refuses the latter, the standard library reads it) is left to the
+        // general path.
+        const uint8_t first = text_[pos_ - 4] | 0x20, second = text_[pos_ - 3] | 0x20;
+        TORCH_CHECK(!(first == 'd' && second >= '8'), "offset ", pos_ - 6, ": a surrogate escape");
       } else {
         TORCH_CHECK(std::strchr("\"\\/bfnrt", e) != nullptr && e != 0, "offset ", pos_ - 1, ": bad escape");
       }

@@ -531,7 +531,8 @@ def _records(path: str, engine: str) -> Iterator[tuple[int, dict]]:
         if engine == "megatron":
             record = parse_route_lists(raw, parse)
         elif engine == "vllm":
-            record = parse_cut_line(raw, route_string_cuts(raw) + logprob_position_cuts(raw),
+            strings = route_string_cuts(raw)
+            record = parse_cut_line(raw, strings + logprob_position_cuts(raw, skip=strings),
                                     ROUTE_STRING_KEYS + LOGPROB_KEYS, parse)
         else:
             record = parse_cut_line(raw, route_string_cuts(raw), ROUTE_STRING_KEYS, parse)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import orjson
+import torch  # noqa: F401  (loads libc10, which _C links against)
 
 try:
     from megatron_r3 import _C
@@ -77,21 +78,31 @@ class LogprobPositions:
         return self.logprobs[hit]
 
 
-def logprob_position_cuts(raw: bytes) -> list:
-    """``(begin, end, LogprobPositions)`` of each ``logprobs`` array of objects the scanner reads in the line."""
+def logprob_position_cuts(raw: bytes, skip: list = ()) -> list:
+    """``(begin, end, LogprobPositions)`` of each ``logprobs`` array of objects the scanner reads in the line.
+
+    Args:
+        skip: ``(begin, end, ...)`` spans of the line not searched, in order (its route strings: most of its
+            bytes, where a search would cost more than the scan).
+    """
     if _C is None:
         return []
     cuts, at = [], 0
-    while (at := raw.find(b'"logprobs"', at)) >= 0:
-        match = _LOGPROBS.match(raw, at)
-        at += 1
-        if match is None:
-            continue
-        begin = match.start(1)
-        try:
-            tokens, logprobs, counts, end = _C.parse_logprob_positions(raw, begin)
-        except RuntimeError:  # left for the general path, which names the fault
-            continue
-        cuts.append((begin, end, LogprobPositions(tokens.numpy(), logprobs.numpy(), counts.numpy(), raw[begin:end])))
-        at = end
+    starts = [0] + [end for _, end, *_ in skip]
+    stops = [begin for begin, *_ in skip] + [len(raw)]
+    for start, stop in zip(starts, stops):
+        at = max(at, start)
+        while (at := raw.find(b'"logprobs"', at, stop)) >= 0:
+            match = _LOGPROBS.match(raw, at)
+            at += 1
+            if match is None:
+                continue
+            begin = match.start(1)
+            try:
+                tokens, logprobs, counts, end = _C.parse_logprob_positions(raw, begin)
+            except RuntimeError:  # left for the general path, which names the fault
+                continue
+            cuts.append((begin, end, LogprobPositions(tokens.numpy(), logprobs.numpy(), counts.numpy(),
+                                                      raw[begin:end])))
+            at = end
     return cuts
