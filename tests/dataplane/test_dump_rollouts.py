@@ -354,3 +354,20 @@ def test_cli_sglang_jsonl_and_errors_naming_line_and_request(tmp_path, capsys):
     (tmp_path / "junk.jsonl").write_text('{"response": {}}\nnot json\n')
     assert main(["--engine", "sglang", "--input", str(tmp_path / "junk.jsonl"), "--out", str(bad), *MODEL_FLAGS]) == 1
     assert "junk.jsonl line 1: SGLang response has no meta_info" in capsys.readouterr().err
+
+
+def test_trtllm_json_with_vllm_style_logprobs(tmp_path):
+    """TensorRT-LLM's per-position ``{"<token id>": {"logprob": ...}}`` log-probs, as documented, from JSON."""
+    from tools.dump_rollouts import dump_jsonl
+
+    rng = np.random.default_rng(3)
+    routes = np.stack([np.argsort(rng.random((2, 16)), axis=1)[:, :2] for _ in range(4)]).astype("<i2")
+    line = {"request_id": 1, "prompt_token_ids": [1, 2], "outputs": [{
+        "index": 0, "token_ids": [3, 4, 5], "logprobs": [{"3": {"logprob": -0.5}}, {"4": {"logprob": -0.25}},
+                                                         {"9": {"logprob": -2.0}, "5": {"logprob": -1.0}}],
+        "routed_experts": {"dtype": "int16", "shape": [4, 2, 2], "base64": base64.b64encode(routes.tobytes()).decode()}}]}
+    write_jsonl(tmp_path / "in.jsonl", [line])
+    dump_jsonl(str(tmp_path / "in.jsonl"), str(tmp_path / "out.r3dump"), "trtllm", SPEC, log_interval=0)
+    with open(tmp_path / "out.r3dump", "rb") as f:
+        sample = RolloutDumpReader(f).read(0)
+    np.testing.assert_array_equal(sample.logprobs, np.array([0, 0, -0.5, -0.25, -1.0], np.float32))

@@ -424,7 +424,8 @@ def trtllm_samples(
         if logprobs is None or len(logprobs) == 0:
             raise RoutingValidationError(f"{where}: TensorRT-LLM returned no logprobs (sample with "
                                          f"SamplingParams(logprobs=0) or more)")
-        if isinstance(logprobs[0], dict):
+        # Per position {token_id: Logprob}: dicts, or positions parsed from JSON (tools/dump_rollouts.py).
+        if isinstance(logprobs[0], dict) or hasattr(logprobs, "chosen_logprobs"):
             generated = _chosen_logprobs(logprobs, token_ids, where, "logprobs", first=len(prompt))
         else:
             generated = _number_logprobs(list(logprobs), len(token_ids), where, "logprobs", len(prompt))
