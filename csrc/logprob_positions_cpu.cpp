@@ -8,8 +8,9 @@
 // general way.
 #include <torch/extension.h>
 
-#include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -89,7 +90,8 @@ class Scanner {
   }
 
   // A JSON number. An integer literal is read as an integer first (JSON's "-0" is the integer 0, as a
-  // parser gives it) and refused beyond 15 digits (exact in a double); others as the nearest double.
+  // parser gives it) and refused beyond 15 digits (exact in a double); others as the nearest double (up to
+  // 63 characters).
   double number() {
     const int64_t first = pos_;
     if (peek('-')) ++pos_;
@@ -121,11 +123,16 @@ class Scanner {
       for (int64_t i = digits; i < int_end; ++i) magnitude = magnitude * 10 + (text_[i] - '0');
       return static_cast<double>(text_[first] == '-' ? -magnitude : magnitude);
     }
-    double value = 0;
-    const auto parsed = std::from_chars(reinterpret_cast<const char*>(text_ + first),
-                                        reinterpret_cast<const char*>(text_ + pos_), value);
-    TORCH_CHECK(parsed.ec == std::errc() && parsed.ptr == reinterpret_cast<const char*>(text_ + pos_), "offset ",
-                first, ": number out of range");
+    // strtod on a terminated copy: correctly rounded (glibc), never reads past the number, and a locale whose
+    // decimal point is not '.' stops it early, which refuses the number rather than misreading it.
+    char copy[64];
+    const int64_t length = pos_ - first;
+    TORCH_CHECK(length < static_cast<int64_t>(sizeof(copy)), "offset ", first, ": number too long");
+    std::memcpy(copy, text_ + first, length);
+    copy[length] = '\0';
+    char* end = nullptr;
+    const double value = std::strtod(copy, &end);
+    TORCH_CHECK(end == copy + length && std::isfinite(value), "offset ", first, ": number out of range");
     return value;
   }
 

@@ -79,6 +79,16 @@ def test_scanned_entries_match_the_json_parse(seed):
     assert [math.copysign(1, v) for v in logprobs.tolist()] == [math.copysign(1, v) for _, v in reference]
 
 
+@pytest.mark.parametrize("number", ["-1e-320", "-4.9e-324", "-2.2250738585072014e-308", "-1.7976931348623157e308",
+                                    "-0.1000000000000000055511151231257827", "-9007199254740993.0", "-123456789012345",
+                                    "-1" + "0" * 40 + ".5e-40", "-0.0", "-0", "0"])
+def test_edge_numbers_are_the_json_parse_s(number):
+    text = f'[{{"5": {{"logprob": {number}}}}}]'.encode()
+    value = logprob_positions._C.parse_logprob_positions(text, 0)[1].item()
+    reference = float(orjson.loads(text)[0]["5"]["logprob"])
+    assert (value, math.copysign(1, value)) == (reference, math.copysign(1, reference))
+
+
 @pytest.mark.parametrize("text", [
     b"[]", b"[null]", b"[{}]", b"[[]]", b'[{"5": null}]', b'[{"5": {}}]', b'[{"5": {"rank": 1}}]',
     b'[{"05": {"logprob": -1}}]', b'[{"-5": {"logprob": -1}}]', b'[{"5a": {"logprob": -1}}]', b'[{"": {"logprob": -1}}]',
@@ -92,6 +102,7 @@ def test_scanned_entries_match_the_json_parse(seed):
     b'[{"5": {"logprob": -1, "t": "\\uDE00"}}]', b'[{"5": {"logprob": -01}}]', b'[{"5": {"logprob": -1.}}]',
     b'[{"5": {"logprob": -.5}}]', b'[{"5": {"logprob": +1}}]', b'[{"5": {"logprob": -1e}}]',
     b'[{"5": {"logprob": -1234567890123456}}]', b'[{"5": {"logprob": -1e999}}]',
+    b'[{"5": {"logprob": -0.' + b"1" * 70 + b'}}]',  # beyond 63 characters: left to the JSON parser
     b'[{"5": {"logprob": -1},}]', b'[{"5": {"logprob": -1}},]', b'[{"5": {"logprob": -1}}', b'[{"5": {"logprob": -1',
     b'[{"5" {"logprob": -1}}]', b'[{"5": {"logprob" -1}}]', b'[{"5": {"logprob": -1}} {"6": {"logprob": -1}}]',
 ])
