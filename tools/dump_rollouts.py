@@ -501,7 +501,11 @@ def _lines(path: str) -> Iterator[bytes]:
     """The file's lines as bytes. A regular file is read through a memory map, each line one copy out of the page
     cache (a rollout line holds megabytes of routes: buffered reads copy them twice, 2.5x the time); anything else
     (a pipe, an empty file, which cannot be mapped) through a 16 MiB buffer (the default 8 KiB one gathers such a
-    line in many small reads and copies)."""
+    line in many small reads and copies).
+
+    Raises:
+        InputLineError: a mapped file found shorter than when it was mapped (truncated while being read).
+    """
     with open(path, "rb", buffering=LINE_BUFFER_BYTES) as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
@@ -510,6 +514,11 @@ def _lines(path: str) -> Iterator[bytes]:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             at, size = 0, len(mapped)
             while at < size:
+                # A mapped page past the end of a file truncated meanwhile kills the process (SIGBUS): the size is
+                # checked before each line is read, which leaves only a truncation during that line's read.
+                if (now := os.fstat(f.fileno()).st_size) < size:
+                    raise InputLineError(f"{path}: the file shrank from {size} to {now} bytes while being read "
+                                         f"(written to by another process?)")
                 end = mapped.find(b"\n", at)
                 end = size if end < 0 else end + 1
                 yield mapped[at:end]

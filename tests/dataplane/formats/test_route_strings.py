@@ -130,3 +130,15 @@ def test_mapped_lines_match_buffered_lines(tmp_path, content):
     path = tmp_path / "in.jsonl"
     path.write_bytes(content)
     assert list(_lines(str(path))) == io.BytesIO(content).readlines()
+
+
+def test_a_mapped_file_truncated_while_read_is_refused(tmp_path):
+    from tools.dump_rollouts import _lines
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a" * 10000 + b"\n" + b"b" * 10000 + b"\n")
+    lines = _lines(str(path))
+    assert next(lines) == b"a" * 10000 + b"\n"
+    path.write_bytes(b"")  # truncated in place, as another writer would
+    with pytest.raises(InputLineError, match=r"shrank from 20002 to 0 bytes while being read"):
+        next(lines)
