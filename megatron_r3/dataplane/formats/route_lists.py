@@ -17,6 +17,7 @@ import re
 from typing import Callable, Optional
 
 import numpy as np
+import torch  # noqa: F401  (loads libc10, which _C links against)
 
 from megatron_r3.dataplane.formats.line_placeholders import parse_with_cut
 

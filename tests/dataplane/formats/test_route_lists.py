@@ -1,6 +1,8 @@
 """Megatron's nested route lists: the C++ parser against the JSON reference, and the tool with and without it."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import orjson
@@ -138,3 +140,13 @@ def test_an_extension_built_before_the_parser_leaves_lines_to_json():
     finally:
         _C.parse_int_lists = parser
         importlib.reload(route_lists)
+
+
+@pytest.mark.parametrize("module", ["route_lists", "logprob_positions"])
+def test_the_parser_is_found_when_its_module_is_imported_first(module):
+    # _C links against libc10, which only `import torch` loads: a module that imported _C before torch
+    # found no extension and left every line to the general path.
+    code = (f"import megatron_r3.dataplane.formats.{module} as m, megatron_r3; "
+            "print(m._C is not None, megatron_r3.kernel_info()['cpu'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == out[1], out
