@@ -132,7 +132,7 @@ def render(cases, meta):
     lines += [
         f"- Workload: Megatron's MoELayer forward + backward, {meta['tokens']} tokens, hidden "
         f"{meta['hidden']}, {meta['experts']} experts, top-{meta['topk']}, moe ffn {meta['moe_ffn_hidden']}, "
-        "alltoall dispatcher, dropless, bf16, EP 1, TP 1, one GPU",
+        f"router fusion {meta['router_fusion']}, alltoall dispatcher, dropless, bf16, EP 1, TP 1, one GPU",
         f"- Timing: {meta['rounds']} rounds, sides alternating (pristine, patched) in fresh processes; "
         f"per round {meta['iters']} iterations after {meta['warmup']} warm-up; a round's figure is its "
         "median; shown: median over rounds (min-max). Device = CUDA events around forward + backward; "
@@ -160,7 +160,8 @@ def render(cases, meta):
 def run_case(args, bundle, grouped, scratch):
     settings = {"spec": args.spec, "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts,
                 "topk": args.topk, "moe_ffn_hidden": args.moe_ffn_hidden, "grouped_gemm": grouped,
-                "iters": args.iters, "warmup": args.warmup, "seed": 1234}
+                "router_fusion": args.router_fusion == "on", "iters": args.iters, "warmup": args.warmup,
+                "seed": 1234}
     rounds = {side: [] for side in SIDES}
     for r in range(args.rounds):
         for side in SIDES:
@@ -194,6 +195,9 @@ def parse_args(argv=None):
                         help="the tree's layer spec: TE where transformer_engine imports (auto), or local")
     parser.add_argument("--grouped-gemm", choices=tuple(GROUPED), default="on",
                         help="experts: grouped GEMM (TEGroupedMLP with TE), sequential (SequentialMLP), or both")
+    parser.add_argument("--router-fusion", choices=("off", "on"), default="off",
+                        help="the router's fused top-k (moe_router_fusion, TE's kernel): the path replay's "
+                             "router hook changes for live forwards")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per worker process")
     args = parser.parse_args(argv)
     for name in ("rounds", "iters", "tokens", "hidden", "experts", "topk", "moe_ffn_hidden", "timeout"):
@@ -221,7 +225,7 @@ def main(argv=None):
         return 2
     first = cases[0]["first"]
     meta = {**{k: getattr(args, k) for k in ("base", "rounds", "iters", "warmup", "tokens", "hidden",
-                                            "experts", "topk", "moe_ffn_hidden")},
+                                            "experts", "topk", "moe_ffn_hidden", "router_fusion")},
             "command": "python -m bench.series_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
             "device": first["device"], "torch": first["torch"], "transformer_engine": first["transformer_engine"],
             "bundle": args.bundle, "project_commit": manifest.get("project_commit"),

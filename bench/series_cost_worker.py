@@ -72,6 +72,7 @@ def build_layer(settings):
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-3,
         moe_grouped_gemm=settings["grouped_gemm"],
+        moe_router_fusion=settings["router_fusion"],
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,

@@ -48,14 +48,14 @@ def test_report_lists_sides_ratios_and_host_bound_rows():
     meta = {"command": "python -m bench.series_cost", "device": "GPU X", "torch": "2.13",
             "transformer_engine": None, "base": "0.19", "bundle": "b", "project_commit": "abc",
             "source_rev": "core_v0.19.0", "source_commit": "5be9", "tokens": 64, "hidden": 128,
-            "experts": 8, "topk": 2, "moe_ffn_hidden": 64, "rounds": 3, "iters": 4, "warmup": 1,
-            "sides": {"pristine": {"version": "0.19.2", "from": "sdist"},
+            "experts": 8, "topk": 2, "moe_ffn_hidden": 64, "router_fusion": "off", "rounds": 3, "iters": 4,
+            "warmup": 1, "sides": {"pristine": {"version": "0.19.2", "from": "sdist"},
                       "patched": {"version": "0.19.2+r3", "from": "patches/"}}}
     text = sc.render([{"experts_class": "TEGroupedMLP", "spec": "te", "summary": summary}], meta)
     assert "| TEGroupedMLP | pristine | te | 2.000 (1.900-2.200) | 2.500 (2.400-2.600) | host |" in text
     assert "| TEGroupedMLP | patched | te | 1.800 (1.700-1.900) | 0.900 (0.800-1.000) | device |" in text
     assert "| TEGroupedMLP | 0.900 | 0.360 |" in text
-    assert "Transformer Engine not installed" in text
+    assert "Transformer Engine not installed" in text and "router fusion off" in text
     assert "measures the host" in text
 
 
@@ -64,6 +64,7 @@ def test_arguments_defaults_and_refusals(capsys):
     assert args.bundle == (ROOT / "build" / "upstream-tests-main").resolve()
     assert args.out.name == "series-cost-main.md"
     assert (args.tokens, args.hidden, args.experts, args.topk, args.moe_ffn_hidden) == (4096, 2048, 128, 8, 768)
+    assert args.router_fusion == "off"
     for bad, said in ((["--topk", "9", "--experts", "8"], "--topk 9 exceeds --experts 8"),
                       (["--rounds", "0"], "--rounds must be at least 1"),
                       (["--grouped-gemm", "maybe"], "invalid choice")):
@@ -99,7 +100,7 @@ def test_sides_alternate_round_by_round_and_report_is_written(tmp_path, monkeypa
 
     def fake_worker(python, root, settings, scratch, timeout):
         side = Path(root).name
-        calls.append((side, settings["grouped_gemm"]))
+        calls.append((side, settings["grouped_gemm"], settings["router_fusion"]))
         ms = 2.0 if side == "pristine" else 1.0
         return {"experts_class": "SequentialMLP" if not settings["grouped_gemm"] else "TEGroupedMLP",
                 "spec": "te", "device": "GPU X", "torch": "t", "transformer_engine": "2.x",
@@ -108,9 +109,11 @@ def test_sides_alternate_round_by_round_and_report_is_written(tmp_path, monkeypa
     monkeypatch.setattr(sc, "run_worker", fake_worker)
     out = tmp_path / "r.md"
     assert sc.main(["--bundle", str(bundle), "--out", str(out), "--rounds", "2", "--iters", "3",
-                    "--grouped-gemm", "both"]) == 0
-    assert calls == [("pristine", True), ("patched", True)] * 2 + [("pristine", False), ("patched", False)] * 2
+                    "--grouped-gemm", "both", "--router-fusion", "on"]) == 0
+    assert calls == ([("pristine", True, True), ("patched", True, True)] * 2
+                     + [("pristine", False, True), ("patched", False, True)] * 2)
     text = out.read_text()
+    assert "router fusion on" in text
     assert "| TEGroupedMLP | 0.500 | 0.500 |" in text and "| SequentialMLP | 0.500 | 0.500 |" in text
     assert "project commit abc123" in text and "megatron-core 0.19.2+r3 from patches/" in text
 
