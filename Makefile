@@ -6,7 +6,7 @@ MEGATRON ?=
 CPU ?=
 PYTEST_ARGS ?=
 
-.PHONY: check-megatron-lm megatron-lm-checkout megatron-rl-deps install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
+.PHONY: check-megatron-lm megatron-lm-checkout megatron-lm-pristine megatron-rl-deps install test test-cpu test-gpu bench check-patches patch clean help upstream-tests wheelhouse
 
 help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
@@ -16,6 +16,7 @@ help:
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
 	@echo "make megatron-lm-checkout [MEGATRON_GIT=repo]   build/megatron-lm: Megatron-LM main with both series (launch/train_rl_r3.sh)"
+	@echo "make megatron-lm-pristine [MEGATRON_GIT=repo]   build/megatron-lm-pristine: the same files without either series (compare-rl-tests)"
 	@echo "make megatron-rl-deps [WHEELHOUSE=dir]   train_rl.py's dependencies, pinned (requirements-megatron-rl.txt; make install installs them where torch has no CUDA)"
 	@echo "make check-megatron-lm [MEGATRON_GIT=repo] [MEGATRON_PYTHON=py]   git am --3way both series on Megatron-LM main, compile, collect tests/unit_tests/rl (docs/megatron_rl.md)"
 	@echo "make upstream-tests [UPSTREAM_BASE=0.19|main] [MEGATRON=checkout]   Megatron-LM's and the series' unit tests on the pristine and the patched core, side by side (build/upstream-tests[-main]; runs where CUDA is; docs/upstream_tests.md)"
@@ -84,6 +85,11 @@ check-megatron-lm:
 # (what the example, the GPU test and bench.megatron_rl run; small enough to carry to a GPU node).
 megatron-lm-checkout:
 	$(PYTHON) tools/megatron_lm_series.py checkout --megatron "$(MEGATRON_GIT)" build/megatron-lm
+
+# The same files without either series: what Megatron-LM's RL unit tests are compared with
+# (tools/megatron_lm_series.py compare-rl-tests, docs/megatron_rl.md).
+megatron-lm-pristine:
+	$(PYTHON) tools/megatron_lm_series.py checkout --pristine --megatron "$(MEGATRON_GIT)" build/megatron-lm-pristine
 
 # What Megatron-LM's train_rl.py imports beyond megatron-core, pinned; make install installs them
 # where torch has no CUDA (the example's CPU tests), this on a CUDA node. WHEELHOUSE=dir: offline

@@ -18,10 +18,14 @@ Commands:
                    on a scratch clone of Megatron-LM main: `git am --3way` of the core
                    series' main form, then of this series; byte-compile every file the series
                    touches; with --python, collect tests/unit_tests/rl with that interpreter.
-  checkout [--megatron GIT] DIR
+  checkout [--megatron GIT] [--pristine] DIR
                    DIR: the files of Megatron-LM main (no .git, no functional tests, docs or
                    images) with the core series' main form and this series applied: what
-                   launch/train_rl_r3.sh runs.
+                   launch/train_rl_r3.sh runs (--pristine: the same files without either series).
+  compare-rl-tests --python PY PRISTINE PATCHED
+                   run tests/unit_tests/rl in both trees (pytest with PY, from each tree's root)
+                   and compare them test by test; fails where a test that passes on PRISTINE
+                   does not on PATCHED, or is missing there.
   workspace GIT DIR
                    DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
                    this series as commits: edit, commit, then 'export DIR'.
@@ -36,6 +40,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,24 +207,63 @@ def check_series(megatron_git, python=None):
                   "(every pristine one among them)")
 
 
-def make_checkout(megatron_git, out):
-    """``out``: Megatron-LM main's files with both series, without git history (unpacked beside
-    ``out``, then renamed into place)."""
+def make_checkout(megatron_git, out, pristine=False):
+    """``out``: Megatron-LM main's files with both series (``pristine``: without them), without git
+    history (unpacked beside ``out``, then renamed into place)."""
     out = Path(out).resolve()
     if out.exists():
         raise SeriesError(f"{out} exists: remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch, tempfile.TemporaryDirectory(dir=out.parent) as staging:
-        repo, commit = patched_clone(megatron_git, scratch)
+        if pristine:
+            repo, commit = Path(megatron_git), core_main_form()[1]
+        else:
+            repo, commit = patched_clone(megatron_git, scratch)
         # Without the functional tests, docs and images (50 MB of the 69): small enough to carry.
-        archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "--", ".", *EXCLUDED], cwd=repo,
-                                 capture_output=True, check=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", commit if pristine else "HEAD", "--", ".",
+                                  *EXCLUDED], cwd=repo, capture_output=True, check=True)
         tree = Path(staging) / out.name
         tree.mkdir()
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         tree.rename(out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"Megatron-LM {commit[:10]} with both series at {out} ({size / 2**20:.0f} MiB)")
+    what = "pristine" if pristine else "with both series"
+    print(f"Megatron-LM {commit[:10]} {what} at {out} ({size / 2**20:.0f} MiB)")
+
+
+def rl_test_outcomes(tree, python, report):
+    """Each test of tests/unit_tests/rl in ``tree`` -> passed, failed, error or skipped (pytest's JUnit
+    report ``report``; run from the tree's root, so its megatron package is the one imported)."""
+    subprocess.run([python, "-m", "pytest", RL_TESTS, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
+                   cwd=tree)
+    if not Path(report).is_file():
+        raise SeriesError(f"pytest wrote no report in {tree} (does {python} have pytest?)")
+    outcomes = {}
+    for case in ET.parse(report).iter("testcase"):
+        tags = {child.tag for child in case}  # a failed test can also error in its teardown: error first
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = next(
+            (said for tag, said in (("error", "error"), ("failure", "failed"), ("skipped", "skipped")) if tag in tags),
+            "passed")
+    return outcomes
+
+
+def compare_rl_tests(python, pristine, patched):
+    """Run the RL unit tests in both trees; print the counts and every test whose outcome differs;
+    refuse a test that passes pristine and not patched."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sides = {name: rl_test_outcomes(Path(tree).resolve(), python, Path(scratch) / f"{name}.xml")
+                 for name, tree in (("pristine", pristine), ("patched", patched))}
+    for name, outcomes in sides.items():
+        counts = Counter(outcomes.values())
+        print(f"{name}: " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped")))
+    before, after = sides["pristine"], sides["patched"]
+    differ = sorted(t for t in before.keys() | after.keys() if before.get(t) != after.get(t))
+    for test in differ:
+        print(f"  {test}: pristine {before.get(test, 'absent')}, patched {after.get(test, 'absent')}")
+    lost = [t for t in differ if before.get(t) == "passed"]
+    if lost:
+        raise SeriesError(f"{len(lost)} tests pass pristine and not patched, first {lost[:5]}")
+    print(f"ok  {len(differ)} tests differ, none passing pristine only")
 
 
 def make_workspace(megatron_git, out):
@@ -270,7 +315,12 @@ def main(argv=None):
     workspace.add_argument("out")
     checkout = sub.add_parser("checkout")
     checkout.add_argument("--megatron", default=DEFAULT_MEGATRON_GIT, help="a Megatron-LM git repository")
+    checkout.add_argument("--pristine", action="store_true", help="without either series")
     checkout.add_argument("out")
+    compare = sub.add_parser("compare-rl-tests")
+    compare.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest in both trees")
+    compare.add_argument("pristine")
+    compare.add_argument("patched")
     sub.add_parser("export").add_argument("repo")
     ext = sub.add_parser("extract")
     ext.add_argument("path")
@@ -282,7 +332,9 @@ def main(argv=None):
         elif args.command == "check":
             check_series(args.megatron, args.python)
         elif args.command == "checkout":
-            make_checkout(args.megatron, args.out)
+            make_checkout(args.megatron, args.out, args.pristine)
+        elif args.command == "compare-rl-tests":
+            compare_rl_tests(args.python, args.pristine, args.patched)
         elif args.command == "workspace":
             make_workspace(args.megatron_git, args.out)
         elif args.command == "export":

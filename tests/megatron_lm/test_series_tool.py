@@ -1,5 +1,7 @@
 """tools/megatron_lm_series.py on this repository's series (no Megatron-LM checkout needed)."""
 
+import sys
+
 import pytest
 
 from tests.support.megatron_lm import _series_tool
@@ -29,3 +31,41 @@ def test_apply_refuses_a_tree_that_is_no_megatron_lm_main_checkout(tmp_path, cap
         tool.apply_series(tmp_path)
     tool.apply_series(tmp_path, only_main=True)  # make patch on a 0.19 tree: said, not applied
     assert "made on main only, not applied" in capsys.readouterr().out
+
+
+def _rl_tree(root, tests):
+    """A tree with tests/unit_tests/rl/test_rl.py holding ``tests`` (name -> body)."""
+    path = root / "tests" / "unit_tests" / "rl" / "test_rl.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import pytest\n\n" + "".join(f"def {name}():\n    {body}\n\n" for name, body in tests.items()))
+    return root
+
+
+COMMON = {"test_passes": "pass", "test_fails": "assert False", "test_skips": "pytest.skip('no GPU')"}
+
+
+def test_compare_rl_tests_reports_what_the_series_adds_and_changes(tmp_path, capsys):
+    pristine = _rl_tree(tmp_path / "pristine", COMMON)
+    patched = _rl_tree(tmp_path / "patched", {**COMMON, "test_fails": "pass", "test_added": "pass"})
+    tool.compare_rl_tests(sys.executable, pristine, patched)
+    out = capsys.readouterr().out
+    assert "pristine: 1 passed, 1 failed, 0 error, 1 skipped" in out
+    assert "patched: 3 passed, 0 failed, 0 error, 1 skipped" in out
+    assert "test_rl::test_added: pristine absent, patched passed" in out
+    assert "test_rl::test_fails: pristine failed, patched passed" in out
+    assert "ok  2 tests differ" in out
+
+
+@pytest.mark.parametrize("change", [{"test_passes": "assert False"}, {"test_passes": "pytest.skip('x')"}])
+def test_compare_rl_tests_refuses_a_test_that_passes_only_pristine(change, tmp_path):
+    pristine = _rl_tree(tmp_path / "pristine", COMMON)
+    patched = _rl_tree(tmp_path / "patched", {**COMMON, **change})
+    with pytest.raises(tool.SeriesError, match=r"1 tests pass pristine and not patched, first \[.*test_passes"):
+        tool.compare_rl_tests(sys.executable, pristine, patched)
+
+
+def test_compare_rl_tests_refuses_a_test_the_patched_tree_loses(tmp_path):
+    pristine = _rl_tree(tmp_path / "pristine", COMMON)
+    patched = _rl_tree(tmp_path / "patched", {k: v for k, v in COMMON.items() if k != "test_passes"})
+    with pytest.raises(tool.SeriesError, match="test_passes"):
+        tool.compare_rl_tests(sys.executable, pristine, patched)

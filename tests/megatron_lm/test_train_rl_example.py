@@ -73,6 +73,18 @@ def test_the_checkout_has_both_series_is_small_and_compiles(checkout):
         compile(path.read_text(), str(path), "exec")
 
 
+def test_the_pristine_checkout_is_the_same_files_without_either_series(checkout, tmp_path):
+    pristine = tmp_path / "pristine"
+    tool.make_checkout(MEGATRON_GIT, pristine, pristine=True)
+    core_files, _ = tool.core_main_form()
+    for first in (core_files[0], tool.series_files()[0]):  # neither series: each one's first patch applies
+        proc = subprocess.run(["git", "apply", "--check", str(first)], cwd=pristine, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{first.name} does not apply to the pristine tree: {proc.stderr}"
+    files = {p.relative_to(pristine) for p in pristine.rglob("*") if p.is_file()}
+    patched = {p.relative_to(checkout) for p in checkout.rglob("*") if p.is_file()}
+    assert files < patched and Path("megatron/rl/routing_replay.py") in patched - files
+
+
 def test_the_checkout_refuses_an_existing_folder(tmp_path):
     (tmp_path / "megatron-lm").mkdir()
     with pytest.raises(tool.SeriesError, match="exists: remove it first"):
