@@ -56,6 +56,7 @@ model_args() {
 # SIGINT, so INT and TERM reach the command (torchrun) as TERM; the waits stay interruptible.
 run_logged() {
   local log=$1; shift
+  : > "$log"  # before tail starts: the job opens it only once scheduled, and tail gives up on a missing file
   "$@" > "$log" 2>&1 &
   local run=$!
   trap 'kill -TERM '"$run"' 2>/dev/null' INT TERM
