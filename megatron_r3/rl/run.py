@@ -49,7 +49,7 @@ from megatron_r3.rl.rollout.engine_choice import build_rollout_engine, engine_su
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_settings import RunSettings
-from megatron_r3.rl.stop_signals import StopRequested, StopSignals, signal_name
+from megatron_r3.rl.stop_signals import StopRequested, StopSignals, signal_name, start_checkpoint_writer_helper
 from megatron_r3.rl.run_checks import RunCheckError, degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer
@@ -329,7 +329,7 @@ def run_iterations(run: TrainingRun, log: Callable[[str], None] = print, metrics
                 try:
                     save(run)
                 except CheckpointSaveError as error:  # on every rank
-                    if stops is not None:  # a stop signal may have ended a helper process the save needs
+                    if stops is not None:  # a stop signal that came meanwhile still stops the run, saying so
                         stop_if_signalled(run, stops, first, None, log if logging_rank else lambda line: None,
                                           failed_save=error)
                     raise
@@ -348,8 +348,7 @@ def stop_if_signalled(run: TrainingRun, stops: StopSignals, first: int, saved_at
     raise :class:`StopRequested` (on every rank).
 
     A save that fails once a rank has the signal (``failed_save``, or this one) is abandoned as any failed
-    save is (its partial folder removed): torchrun and schedulers signal a worker's whole process group,
-    and so end the helper process Megatron's checkpoint writer reports through.
+    save is (its partial folder removed), and the run stops all the same, saying so.
     """
     signum = stops.agreed()
     if signum is None:
@@ -393,6 +392,8 @@ def train(settings: RunSettings, device: torch.device, log: Callable[[str], None
         check_save_space(run)
         if isinstance(run.source, DumpRollouts):
             run.source.check_microbatches(run.trainer.rows, run.iteration, run.settings.train_iters)
+        if settings.checkpoints.save is not None:
+            start_checkpoint_writer_helper()
         with StopSignals() as stops:
             return run_iterations(run, log, metrics_mode, stops)
     finally:
