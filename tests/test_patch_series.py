@@ -253,6 +253,22 @@ def test_check_runs_each_pull_request_with_its_prerequisites_and_says_main_was_n
     assert "main: 3 patches apply with git am to" in out
 
 
+def test_some_pull_requests_apply_with_their_prerequisites_and_no_other(synthetic):
+    """`apply_series(prs=...)` (one pull request's share of the series, tools/upstream_tests.py
+    --pull-requests): the pull requests named and their prerequisites, in series order."""
+    assert [pr.name for pr in patch_series.with_prerequisites(["three"])] == ["one", "three"]
+    assert [pr.name for pr in patch_series.with_prerequisites(["three", "two"])] == ["one", "two", "three"]
+    with pytest.raises(patch_series.SeriesError, match=r"no pull request \['four'\] in patches/series "
+                                                       r"\(it lists one, two, three\)"):
+        patch_series.with_prerequisites(["four"])
+    tree = synthetic["main"]
+    patch_series.apply_series(tree, prs=["three"])
+    lines = (tree / LAYER).read_text().splitlines()
+    assert (lines[2], lines[4], lines[10]) == ("one", "three after one", "line 10")
+    assert (tree / "tests/unit_tests/test_three.py").is_file()
+    assert not (tree / "tests/unit_tests/test_two.py").exists()
+
+
 def test_check_refuses_a_pull_request_that_needs_an_undeclared_one(synthetic):
     (patch_series.PATCH_DIR / "series").write_text("one\ntwo\nthree\n")
     with pytest.raises(patch_series.SeriesError,

@@ -403,7 +403,7 @@ def _with_series_test(tree):
 def series_bundle(upstream, tmp_path, monkeypatch):
     """A 0.19 bundle prepared with the series' own test in the patched tree."""
     _with_series_test(upstream[2])
-    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
+    monkeypatch.setattr(ut, "series_tests", lambda base, prs=None: [SERIES_TEST])
     out = tmp_path / "bundle"
     assert _prepare(upstream, out, "--lists", "series") == 0
     return out
@@ -461,7 +461,7 @@ def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_
     monkeypatch.setattr(ut.patch_series, "MAIN_COMMIT", pinned)
     monkeypatch.setitem(ut.DEFAULT_REVS, "main", pinned)
 
-    def apply_main_form(tree):  # stands in for patch_series.apply_series on main
+    def apply_main_form(tree, prs=None):  # stands in for patch_series.apply_series on main
         core = Path(tree) / "megatron" / "core" / "__init__.py"
         core.write_text(core.read_text().replace("'pristine'", "'patched'"))
         _with_series_test(Path(tree))
@@ -472,7 +472,7 @@ def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_
     monkeypatch.setattr(ut.patch_series, "has_patch",
                         lambda tree, path: "'patched'" in (Path(tree) / "megatron/core/__init__.py")
                         .read_text())
-    monkeypatch.setattr(ut, "series_tests", lambda base: [SERIES_TEST])
+    monkeypatch.setattr(ut, "series_tests", lambda base, prs=None: [SERIES_TEST])
     out = tmp_path / "bundle-main"
     code = ut.main(["prepare", "--base", "main", "--megatron", str(repo), "--out", str(out),
                     "--lists", "series", "--files", "tests/unit_tests/moe/test_a.py"])
@@ -490,6 +490,21 @@ def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_
     code = ut.main(["prepare", "--base", "main", "--megatron", str(repo), "--tag", "HEAD",
                     "--out", str(tmp_path / "b2"), "--lists", "series"])
     assert code == 2 and not (tmp_path / "b2").exists()
+
+
+def test_pull_requests_are_of_the_main_base_and_named_in_the_series(tmp_path, capsys):
+    """`prepare --pull-requests` builds main's patched side from patches/: another base, a tree of
+    one's own or a name patches/series does not list is refused in one line, and nothing is built."""
+    out = tmp_path / "bundle"
+    cases = [(["--base", "0.19", "--pull-requests", "fixes"], "give --base main and no --patched"),
+             (["--base", "main", "--patched", str(tmp_path), "--pull-requests", "fixes"], "no --patched"),
+             (["--base", "main", "--pull-requests", "fixes", "routing_replay"],
+              "no pull request ['routing_replay'] in patches/series (it lists fixes, non-replay, ")]
+    for argv, says in cases:
+        assert ut.main(["prepare", *argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
 
 
 def test_a_series_file_that_imports_only_on_the_patched_core_counts_as_collected_there():

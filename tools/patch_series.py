@@ -161,6 +161,22 @@ def pull_requests():
     return prs
 
 
+def with_prerequisites(names):
+    """The pull requests named and every prerequisite of theirs, in series order."""
+    prs = pull_requests()
+    by_name = {pr.name: pr for pr in prs}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SeriesError(f"no pull request {unknown} in patches/series (it lists {', '.join(by_name)})")
+    needed, stack = set(), list(names)
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            stack.extend(by_name[name].requires)
+    return [pr for pr in prs if pr.name in needed]
+
+
 def pr_files(pr, base):
     """The base's form of one pull request (may be empty where a change is upstream already)."""
     return read_series(PATCH_DIR / pr.name / base.name)
@@ -350,8 +366,9 @@ def copy_for_rehearsal(tree, scratch):
             shutil.copytree(tree / top, scratch / top, ignore=shutil.ignore_patterns("__pycache__"))
 
 
-def apply_series(tree, cpu=False):
-    """Apply the form of the tree's base, and with `cpu` the CPU series, all or nothing.
+def apply_series(tree, cpu=False, prs=None):
+    """Apply the form of the tree's base (`prs`: only those pull requests, each with its
+    prerequisites), and with `cpu` the CPU series, all or nothing.
 
     A tree that already has the form gets only the CPU series. What is applied is first
     rehearsed patch by patch (`git apply --check`, then apply) on a scratch copy of the tree,
@@ -361,7 +378,8 @@ def apply_series(tree, cpu=False):
     """
     tree = Path(tree).resolve()
     base = recognise_base(tree)
-    form = form_files(base)
+    form = form_files(base) if prs is None else [
+        path for pr in with_prerequisites(prs) for path in pr_files(pr, base)]
     if cpu and not base.cpu_series:
         raise SeriesError(
             f"{tree} is the {base.name} base; the CPU series has a form for the "
@@ -453,15 +471,8 @@ def check_form(tree, base, cpu=()):
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "tree"
         head = scratch_repo(tree, repo)
-        by_name = {pr.name: pr for pr in prs}
         for pr in prs:
-            needed, stack = [], list(pr.requires)
-            while stack:  # prerequisites of prerequisites, in series order
-                name = stack.pop()
-                if name not in needed:
-                    needed.append(name)
-                    stack.extend(by_name[name].requires)
-            chain = [p for p in prs if p.name in needed] + [pr]
+            chain = with_prerequisites([pr.name])
             git(repo, "reset", "-q", "--hard", head)
             for link in chain:
                 git_am(repo, pr_files(link, base), f"{pr.name} on the {base.name} base" + (

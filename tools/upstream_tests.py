@@ -291,14 +291,23 @@ class OverlaySource:
         return self.extra[rel] if rel in self.extra else self.source.read(rel)
 
 
-def series_tests(base):
-    """The test files the base's form of the series adds or changes, in apply order."""
+def series_tests(base, prs=None):
+    """The test files the base's form of the series (`prs`: of those pull requests and their
+    prerequisites) adds or changes, in apply order."""
     out = []
-    for path in patch_series.form_files(patch_series.BASES[base]):
+    for path in form_of(base, prs):
         for rel in re.findall(r"^diff --git a/(tests/\S+\.py) b/", path.read_text(), re.M):
             if Path(rel).name.startswith("test_") and rel not in out:
                 out.append(rel)
     return out
+
+
+def form_of(base, prs=None):
+    """The patch files of the base's form: all, or those of `prs` and their prerequisites."""
+    base = patch_series.BASES[base]
+    if prs is None:
+        return patch_series.form_files(base)
+    return [path for pr in patch_series.with_prerequisites(prs) for path in patch_series.pr_files(pr, base)]
 
 
 # --------------------------------------------------------------------------------------
@@ -561,9 +570,10 @@ def side_trees(sdist, patched, scratch):
     }
 
 
-def main_side_trees(source, patched, scratch):
+def main_side_trees(source, patched, scratch, prs=None):
     """Folders holding megatron/ of Megatron-LM main at the pinned commit (`source`) and of
-    the same with the main form of every pull request applied (or the tree `patched`)."""
+    the same with the main form of every pull request (`prs`: of those and their
+    prerequisites) applied (or the tree `patched`)."""
     pristine = Path(scratch) / "pristine"
     source.extract("megatron", pristine)
     if patched:
@@ -573,17 +583,18 @@ def main_side_trees(source, patched, scratch):
         patched = Path(scratch) / "patched"
         shutil.copytree(pristine, patched)
         try:
-            patch_series.apply_series(patched)
+            patch_series.apply_series(patched, prs=prs)
         except patch_series.SeriesError as err:
             raise ToolError(f"patching Megatron-LM main: {err}") from err
         built_here = True
-    form = patch_series.form_files(patch_series.BASES["main"])
+    form = form_of("main", prs)
+    applied = "<pr>" if prs is None else "{" + ",".join(p.name for p in patch_series.with_prerequisites(prs)) + "}"
     if not patch_series.has_patch(patched, form[-1]):
         raise ToolError(f"{patched} does not have the main form applied: not a patched tree")
     return pristine, patched, {
         "pristine_tree": source.describe(), "sdist_sha256": None,
         "series_digest": patch_series.series_digest(),
-        "patched_tree": "Megatron-LM main with patches/<pr>/main/" if built_here else str(patched),
+        "patched_tree": (f"Megatron-LM main with patches/{applied}/main/" if built_here else str(patched)),
     }
 
 
@@ -601,14 +612,15 @@ def prepare(args):
     for name in lists:
         entries.extend(TEST_LISTS[name])
     test_files = expand_tests(source, entries) if entries else []
-    own_tests = series_tests(args.base) if "series" in lists else []
+    own_tests = series_tests(args.base, args.pull_requests) if "series" in lists else []
     log(f"{len(test_files)} upstream test files, {len(own_tests)} of the series")
 
     tmp_parent = out.parent
     tmp_parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=tmp_parent, prefix=".upstream-tests-") as scratch:
         if args.base == "main":
-            pristine_src, patched_src, side_info = main_side_trees(source, args.patched, scratch)
+            pristine_src, patched_src, side_info = main_side_trees(source, args.patched, scratch,
+                                                                   args.pull_requests)
         else:
             pristine_src, patched_src, side_info = side_trees(args.sdist, args.patched, scratch)
         # The series' tests come from the patched tree and go to both sides: on pristine they
@@ -667,6 +679,8 @@ def prepare(args):
             },
             "sdist_sha256": side_info["sdist_sha256"],
             "series_digest": side_info["series_digest"],
+            "pull_requests": [pr.name for pr in patch_series.with_prerequisites(args.pull_requests)]
+            if args.pull_requests else [pr.name for pr in patch_series.pull_requests()],
             "project_commit": _git_out(["rev-parse", "HEAD"], cwd=ROOT),
             "lists": {name: TEST_LISTS[name] for name in (args.lists or [])},
             "test_files": test_files,
@@ -1439,8 +1453,13 @@ def main(argv=None):
                    "base (default: build/megatron_core-0.19.2.tar.gz)")
     p.add_argument("--patched", help="a patched tree to use instead of building one from the "
                    "base and patches/ (with the series' tests in it)")
+    p.add_argument("--pull-requests", nargs="+", dest="pull_requests", metavar="PR",
+                   help="main base: the patched side gets only these pull requests of patches/series "
+                   "and their prerequisites (one pull request's share of the series' cost, "
+                   "bench/series_cost.py); default: all")
     p.add_argument("--out", help="the bundle (default: build/upstream-tests for 0.19, "
-                   "build/upstream-tests-main for main)")
+                   "build/upstream-tests-main for main, build/upstream-tests-main-<PR> with "
+                   "--pull-requests)")
     p.add_argument("--lists", nargs="*", choices=sorted(TEST_LISTS),
                    help=f"named test lists (default: {' '.join(DEFAULT_LISTS)})")
     p.add_argument("--files", nargs="*", help="test files or folders (repository paths)")
@@ -1484,8 +1503,17 @@ def main(argv=None):
         if args.command == "prepare":
             if args.sdist is None:
                 args.sdist = str(ROOT / "build" / patch_series.SDIST_NAME)
+            if args.pull_requests and (args.base != "main" or args.patched):
+                raise ToolError("--pull-requests builds the patched side of the main base from "
+                                "patches/: give --base main and no --patched")
+            if args.pull_requests:
+                try:
+                    patch_series.with_prerequisites(args.pull_requests)
+                except patch_series.SeriesError as err:
+                    raise ToolError(str(err)) from err
             if args.out is None:
-                args.out = str(DEFAULT_BUNDLES[args.base])
+                args.out = str(DEFAULT_BUNDLES[args.base]) + (
+                    "-" + "+".join(args.pull_requests) if args.pull_requests else "")
             args.max_bytes = int(args.max_mb * 2**20)
             return prepare(args)
         if args.command == "run":
