@@ -49,7 +49,7 @@ from megatron_r3.rl.rollout.engine_choice import build_rollout_engine, engine_su
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine
 from megatron_r3.rl.rollout.sources import DumpRollouts, EmbeddedRollouts
 from megatron_r3.rl.run_settings import RunSettings
-from megatron_r3.rl.stop_signals import StopRequested, StopSignals, signal_name, start_checkpoint_writer_helper
+from megatron_r3.rl.stop_signals import StopRequested, StopSignals, signal_name
 from megatron_r3.rl.run_checks import RunCheckError, degenerate_groups_warning, metrics_file_mode, raise_on_any_rank
 from megatron_r3.rl.trainer.metrics import iteration_metrics, progress_line
 from megatron_r3.rl.trainer.policy_trainer import NonFiniteStepError, PolicyTrainer
@@ -392,8 +392,6 @@ def train(settings: RunSettings, device: torch.device, log: Callable[[str], None
         check_save_space(run)
         if isinstance(run.source, DumpRollouts):
             run.source.check_microbatches(run.trainer.rows, run.iteration, run.settings.train_iters)
-        if settings.checkpoints.save is not None:
-            start_checkpoint_writer_helper()
         with StopSignals() as stops:
             return run_iterations(run, log, metrics_mode, stops)
     finally:

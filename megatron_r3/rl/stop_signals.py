@@ -4,10 +4,10 @@ A scheduler's SIGTERM (or a user's Ctrl-C, or torchrun passing on the one it got
 in the middle of a step or of a checkpoint save; ending the process there leaves a half-written
 ``iter_N.saving`` folder and no word of what was kept. While :class:`StopSignals` is active the
 signals are only noted (Python's :mod:`signal` handlers, run in the main thread between two
-bytecodes: a save in progress goes on to its end), and the helper process Megatron's checkpoint
-writer reports through is started with both blocked (:func:`start_checkpoint_writer_helper`), so
-the signal torchrun sends a worker's whole process group leaves it running. At each safe point, between two iterations,
-the run asks :meth:`StopSignals.agreed` (one small all-reduce: a rank that got the signal stops
+bytecodes: a save in progress goes on to its end; the helper process Megatron's checkpoint writer
+reports through has both blocked, by the series (patches/fixes), so the signal torchrun sends a
+worker's whole process group leaves it running). At each safe point, between two iterations, the
+run asks :meth:`StopSignals.agreed` (one small all-reduce: a rank that got the signal stops
 every rank), saves if it has a ``--save`` and has not just saved, says in one line what it saved
 and raises :class:`StopRequested`, which the launcher turns into the conventional exit status
 ``128 + signum`` (143 for SIGTERM, 130 for SIGINT), the status a shell and torchrun report for a
@@ -17,7 +17,6 @@ with SIGINT too and without a flag: the launcher has no other use for either sig
 
 from __future__ import annotations
 
-import multiprocessing.resource_tracker
 import signal
 import threading
 from typing import Optional
@@ -74,29 +73,6 @@ class StopSignals:
         received = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
         dist.all_reduce(received, op=dist.ReduceOp.MAX)
         return int(received.item()) or None
-
-
-def start_checkpoint_writer_helper() -> None:
-    """Starts the process Megatron's checkpoint writer hands its results through (``dist_checkpointing``'s
-    write-results queue, a multiprocessing manager, started at the first save and kept) with SIGTERM and SIGINT
-    blocked in it.
-
-    torchrun and schedulers signal a worker's whole process group. Ended by the signal, the helper fails the
-    save in progress on the ranks that had not yet read their results from it and on no other: those go on into
-    the save's next collective and wait for ranks that never come, until torchrun kills them all. Started with
-    the signals blocked (a child keeps its parent's signal mask across ``exec``), it ignores them; the ranks get
-    them as before and stop at their next safe point (multiprocessing starts its resource tracker so). The
-    main thread's mask is restored at once, and a signal that came meanwhile is delivered then.
-    """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
-
-    # Starting it unblocks both signals in this thread: start it before (it ignores them itself).
-    multiprocessing.resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        get_write_results_queue()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def signal_name(signum: int) -> str:
