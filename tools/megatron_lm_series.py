@@ -233,9 +233,10 @@ def make_checkout(megatron_git, out, pristine=False):
 
 def rl_test_outcomes(tree, python, report):
     """Each test of tests/unit_tests/rl in ``tree`` -> passed, failed, error or skipped (pytest's JUnit
-    report ``report``; run from the tree's root, so its megatron package is the one imported)."""
-    subprocess.run([python, "-m", "pytest", RL_TESTS, "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
-                   cwd=tree)
+    report ``report``; run from the tree's root, so its megatron package is the one imported, and rooted
+    there, so a test has the same name in either tree whatever configuration lies above them)."""
+    subprocess.run([python, "-m", "pytest", RL_TESTS, "-q", "-p", "no:cacheprovider", f"--rootdir={tree}",
+                    f"--junitxml={report}"], cwd=tree)
     if not Path(report).is_file():
         raise SeriesError(f"pytest wrote no report in {tree} (does {python} have pytest?)")
     outcomes = {}

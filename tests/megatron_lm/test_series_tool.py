@@ -45,6 +45,9 @@ COMMON = {"test_passes": "pass", "test_fails": "assert False", "test_skips": "py
 
 
 def test_compare_rl_tests_reports_what_the_series_adds_and_changes(tmp_path, capsys):
+    # A pytest configuration above both trees would make it the root of both runs, and every test's name
+    # would differ by its tree's folder: each tree is its own root.
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
     pristine = _rl_tree(tmp_path / "pristine", COMMON)
     patched = _rl_tree(tmp_path / "patched", {**COMMON, "test_fails": "pass", "test_added": "pass"})
     tool.compare_rl_tests(sys.executable, pristine, patched)
