@@ -467,7 +467,7 @@ def test_prepare_main_takes_core_and_tests_from_the_pinned_commit(upstream, tmp_
         _with_series_test(Path(tree))
 
     monkeypatch.setattr(ut.patch_series, "apply_series", apply_main_form)
-    monkeypatch.setattr(ut.patch_series, "form_files", lambda base: [Path("last.diff")])
+    monkeypatch.setattr(ut.patch_series, "form_files", lambda base, prs=None: [Path("last.diff")])
     monkeypatch.setattr(ut.patch_series, "series_digest", lambda: "digest")
     monkeypatch.setattr(ut.patch_series, "has_patch",
                         lambda tree, path: "'patched'" in (Path(tree) / "megatron/core/__init__.py")

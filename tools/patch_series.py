@@ -167,7 +167,9 @@ def with_prerequisites(names):
     by_name = {pr.name: pr for pr in prs}
     unknown = [name for name in names if name not in by_name]
     if unknown:
-        raise SeriesError(f"no pull request {unknown} in patches/series (it lists {', '.join(by_name)})")
+        raise SeriesError(
+            f"no pull request {unknown} in patches/series (it lists {', '.join(by_name)})"
+        )
     needed, stack = set(), list(names)
     while stack:
         name = stack.pop()
@@ -182,9 +184,11 @@ def pr_files(pr, base):
     return read_series(PATCH_DIR / pr.name / base.name)
 
 
-def form_files(base):
-    """Every pull request's form for ``base``, in apply order."""
-    return [path for pr in pull_requests() for path in pr_files(pr, base)]
+def form_files(base, prs=None):
+    """Every pull request's form for ``base`` (``prs``: those named and their prerequisites), in
+    apply order."""
+    chosen = pull_requests() if prs is None else with_prerequisites(prs)
+    return [path for pr in chosen for path in pr_files(pr, base)]
 
 
 def cpu_files():
@@ -378,8 +382,7 @@ def apply_series(tree, cpu=False, prs=None):
     """
     tree = Path(tree).resolve()
     base = recognise_base(tree)
-    form = form_files(base) if prs is None else [
-        path for pr in with_prerequisites(prs) for path in pr_files(pr, base)]
+    form = form_files(base, prs)
     if cpu and not base.cpu_series:
         raise SeriesError(
             f"{tree} is the {base.name} base; the CPU series has a form for the "

@@ -295,19 +295,11 @@ def series_tests(base, prs=None):
     """The test files the base's form of the series (`prs`: of those pull requests and their
     prerequisites) adds or changes, in apply order."""
     out = []
-    for path in form_of(base, prs):
+    for path in patch_series.form_files(patch_series.BASES[base], prs):
         for rel in re.findall(r"^diff --git a/(tests/\S+\.py) b/", path.read_text(), re.M):
             if Path(rel).name.startswith("test_") and rel not in out:
                 out.append(rel)
     return out
-
-
-def form_of(base, prs=None):
-    """The patch files of the base's form: all, or those of `prs` and their prerequisites."""
-    base = patch_series.BASES[base]
-    if prs is None:
-        return patch_series.form_files(base)
-    return [path for pr in patch_series.with_prerequisites(prs) for path in patch_series.pr_files(pr, base)]
 
 
 # --------------------------------------------------------------------------------------
@@ -587,14 +579,14 @@ def main_side_trees(source, patched, scratch, prs=None):
         except patch_series.SeriesError as err:
             raise ToolError(f"patching Megatron-LM main: {err}") from err
         built_here = True
-    form = form_of("main", prs)
-    applied = "<pr>" if prs is None else "{" + ",".join(p.name for p in patch_series.with_prerequisites(prs)) + "}"
+    form = patch_series.form_files(patch_series.BASES["main"], prs)
     if not patch_series.has_patch(patched, form[-1]):
         raise ToolError(f"{patched} does not have the main form applied: not a patched tree")
     return pristine, patched, {
         "pristine_tree": source.describe(), "sdist_sha256": None,
         "series_digest": patch_series.series_digest(),
-        "patched_tree": (f"Megatron-LM main with patches/{applied}/main/" if built_here else str(patched)),
+        "patched_tree": ("Megatron-LM main with patches/<pr>/main/ of pull_requests" if built_here
+                         else str(patched)),
     }
 
 
