@@ -15,13 +15,18 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
-the numbers. One device call runs at most 10 minutes: ``--no-k3`` and ``--rounds 0`` split the
-work across calls (docs/megatron_rl.md, "On a GPU node").
+the numbers, and beside it (``OUT`` with ``.jsonl``) the metrics run's collections in the keys of
+``tools/plot_metrics.py``. One device call runs at most 10 minutes: ``--no-k3`` and ``--rounds 0``
+split the work across calls (docs/megatron_rl.md, "On a GPU node").
+
+``--from-log LOG`` runs nothing: it writes the k3 part of the report and the JSONL from the log of a
+metrics run made earlier (one cut short included: every collection it logged counts), on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -46,6 +51,19 @@ def replay_metrics(log: str) -> list[dict]:
             fields = dict(part.rsplit(" ", 1) for part in match.group(2).split(" | "))
             out.append({"iteration": int(match.group(1)), **{k: float(v) for k, v in fields.items()}})
     return out
+
+
+# The series' metric -> the key tools/plot_metrics.py reads (the launcher's --metrics-file names).
+PLOT_KEYS = {f"{name}_{mode}": f"mismatch/{mode}/{key}" for mode in ("replay", "live")
+             for name, key in (("k3", "k3_kl"), ("abs_log_ratio", "logp_abs_diff"),
+                               ("outside_2x", "frac_abs_gt_ln2"), ("outside_5x", "frac_abs_gt_ln5"))}
+PLOT_KEYS["agreement"] = "routing/agreement"
+
+
+def plot_rows(rows: list[dict]) -> list[dict]:
+    """The metrics lines as tools/plot_metrics.py's records (|d| > ln 2 is the ratio outside [1/2, 2])."""
+    return [{"iteration": row["iteration"], **{PLOT_KEYS[k]: v for k, v in row.items() if k in PLOT_KEYS}}
+            for row in rows]
 
 
 def step_times(log: str, skip: int) -> list[float]:
@@ -74,6 +92,46 @@ def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: 
     return command, log, wall
 
 
+def k3_summary(rows: list[dict], table: list[str], notes: list[str], out: Path) -> None:
+    """The k3 row, the routing note, and the collections as JSONL beside the report."""
+    if not rows:
+        sys.exit("bench.megatron_rl: the replay run logged no 'routing replay | ...' line")
+    k3_replay = statistics.fmean(r["k3_replay"] for r in rows)
+    k3_live = statistics.fmean(r["k3_live"] for r in rows)
+    table.append(f"| mean k3 over {len(rows)} collections (same rollouts) | {k3_replay:.3e} | {k3_live:.3e} | "
+                 f"{k3_replay / k3_live:.3f} | <= 0.1 |")
+    ratios = [r["k3_replay"] / r["k3_live"] for r in rows if r["k3_live"] > 0]
+    notes.append(f"Per collection, k3 with replay over without: median {statistics.median(ratios):.3f}, "
+                 f"lower in {sum(x < 1 for x in ratios)} of {len(ratios)}; tokens outside [1/2, 2] "
+                 f"(mean fraction) {statistics.fmean(r['outside_2x_replay'] for r in rows):.2e} with replay, "
+                 f"{statistics.fmean(r['outside_2x_live'] for r in rows):.2e} without, in "
+                 f"{sum(r['outside_2x_replay'] > 0 for r in rows)} and {sum(r['outside_2x_live'] > 0 for r in rows)} "
+                 "collections.")
+    notes.append(f"Agreement of the trainer's router with the engine's routes: "
+                 f"{statistics.fmean(r['agreement'] for r in rows):.3f} (routes moved one token: "
+                 f"{statistics.fmean(r['agreement_moved_one_token'] for r in rows):.3f}); routes the forward "
+                 f"did not take: {sum(r['routes_used_differ'] for r in rows):.0f}; routed fraction "
+                 f"{min(r['routed_fraction'] for r in rows):.4f} at least.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in plot_rows(rows)))
+
+
+def from_log(log_path: Path, out: Path, skip: int) -> None:
+    """The k3 part of the report from a metrics run's log, made earlier."""
+    log = log_path.read_text(errors="replace")
+    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
+    notes = []
+    k3_summary(replay_metrics(log), table, notes, out)
+    times = step_times(log, skip)
+    if times:
+        notes.append(f"Elapsed time per iteration of this metrics run (replay + the live metrics pass), "
+                     f"iterations {skip + 1}+: mean {statistics.fmean(times) / 1e3:.1f} s over {len(times)}.")
+    report = [f"## train_rl.py with and without routing replay: k3 from `{log_path.name}`", "",
+              f"`python -m bench.megatron_rl --from-log {log_path} --skip {skip} --out {out}`", "", *table, "", *notes, ""]
+    out.write_text("\n".join(report))
+    print("\n".join(report))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
@@ -83,12 +141,21 @@ def main(argv=None):
                              "generates to its end, so it sets the generation length and the time per iteration")
     parser.add_argument("--k3", action=argparse.BooleanOptionalAction, default=True,
                         help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
-    parser.add_argument("--rounds", type=int, default=2, help="replay/live pairs of step-time runs (0: none)")
+    parser.add_argument("--rounds", type=int, help="replay/live pairs of step-time runs (default 2; 0: none)")
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
     parser.add_argument("--init", type=Path, help="a checkpoint to start every run from (INIT of the example)")
     parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
-    parser.add_argument("--out", type=Path, required=True, help="the Markdown report")
+    parser.add_argument("--out", type=Path, required=True, help="the Markdown report (and OUT with .jsonl)")
+    parser.add_argument("--from-log", type=Path, metavar="LOG",
+                        help="run nothing: the k3 report from the log of an earlier metrics run")
     args = parser.parse_args(argv)
+    if args.from_log is not None:
+        if args.rounds:
+            parser.error("--from-log runs nothing: --rounds needs runs")
+        if not args.from_log.is_file():
+            parser.error(f"--from-log {args.from_log}: no such file")
+        return from_log(args.from_log, args.out, args.skip)
+    args.rounds = 2 if args.rounds is None else args.rounds
     if "MEGATRON" not in os.environ:
         sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
     import torch
@@ -108,18 +175,7 @@ def main(argv=None):
         command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
                                  tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
-        rows = replay_metrics(log)
-        if not rows:
-            sys.exit("bench.megatron_rl: the replay run logged no 'routing replay | ...' line")
-        k3_replay = statistics.fmean(r["k3_replay"] for r in rows)
-        k3_live = statistics.fmean(r["k3_live"] for r in rows)
-        table.append(f"| mean k3 over {len(rows)} collections (same rollouts) | {k3_replay:.3e} | {k3_live:.3e} | "
-                     f"{k3_replay / k3_live:.3f} | <= 0.1 |")
-        notes.append(f"Agreement of the trainer's router with the engine's routes: "
-                     f"{statistics.fmean(r['agreement'] for r in rows):.3f} (routes moved one token: "
-                     f"{statistics.fmean(r['agreement_moved_one_token'] for r in rows):.3f}); routes the forward "
-                     f"did not take: {sum(r['routes_used_differ'] for r in rows):.0f}; routed fraction "
-                     f"{min(r['routed_fraction'] for r in rows):.4f} at least.")
+        k3_summary(replay_metrics(log), table, notes, args.out)
     times = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):

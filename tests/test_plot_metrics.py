@@ -73,3 +73,12 @@ def test_missing_matplotlib_is_named(tmp_path, capsys, monkeypatch):
     good = write_metrics(tmp_path / "good.jsonl", [("live", 1e-2)])
     assert main([str(good), "--out", str(tmp_path / "x.png")]) == 1
     assert "tools/plot_metrics.py needs matplotlib: run `make install`" in capsys.readouterr().err
+
+
+def test_a_value_between_zeros_is_marked_where_a_log_axis_draws_no_line():
+    from tools.plot_metrics import isolated_positive
+
+    iterations = [0, 1, 2, 3, 4, 5, 6]
+    fractions = [7e-4, 0.0, 0.0, 8e-4, 0.0, 3e-4, 5e-4]  # a rare tail, as --r3-compare's ln 2 fraction
+    assert isolated_positive(iterations, fractions) == [(0, 7e-4), (3, 8e-4)]
+    assert isolated_positive([1], [0.0]) == [] and isolated_positive([1], [2e-4]) == [(1, 2e-4)]

@@ -143,6 +143,10 @@ def plot(runs: list[Run], out: str, dpi: int = 100) -> tuple[int, int]:
                 positive |= any(v > 0 for v in y)
                 label = run.label if len(panel.curves) == 1 else f"{run.label}: {curve.label}"
                 ax.plot(x, y, curve.style, color=f"C{color % 10}", linewidth=curve.width, label=label)
+                if panel.log_y:
+                    # A value between zeros draws no line on a log axis (its neighbours are masked): mark it.
+                    dots = isolated_positive(x, y)
+                    ax.plot([p[0] for p in dots], [p[1] for p in dots], "o", color=f"C{color % 10}", markersize=3)
         if panel.log_y and positive:
             ax.set_yscale("log", nonpositive="mask")  # a zero mismatch has no place on a log axis
         ax.set_title(panel.title, fontsize=9)
@@ -158,6 +162,12 @@ def plot(runs: list[Run], out: str, dpi: int = 100) -> tuple[int, int]:
     fig.savefig(out, dpi=dpi, format="png")
     plt.close(fig)
     return int(cols * PANEL_INCHES[0] * dpi), int(rows * PANEL_INCHES[1] * dpi)
+
+
+def isolated_positive(x: list, y: list) -> list[tuple]:
+    """The (x, y) points with y > 0 whose neighbours in the series are both absent or not positive."""
+    return [(x[i], y[i]) for i in range(len(y))
+            if y[i] > 0 and (i == 0 or y[i - 1] <= 0) and (i == len(y) - 1 or y[i + 1] <= 0)]
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:

@@ -297,3 +297,31 @@ def test_the_wheelhouse_parts_hold_every_file_within_the_limit_and_join_on_the_n
             shutil.copy(piece, node / piece.name)
     subprocess.run(["bash", "-c", wheelhouse.JOIN_CHUNKS], cwd=node, check=True)
     assert {f.name: f.read_bytes() for f in node.iterdir()} == {n: (tmp_path / n).read_bytes() for n in files}
+
+
+def test_the_bench_reports_k3_from_the_log_of_a_run_cut_short_and_writes_the_plot_s_records(rr, tmp_path):
+    from bench.megatron_rl import main as bench_main
+    from tools.plot_metrics import Run, plan_panels
+
+    base = {"agreement": 0.99, "agreement_moved_one_token": 0.02, "routed_fraction": 1.0, "rows_without_routes": 0.0,
+            "routes_used_differ": 0.0, "abs_log_ratio_replay": 1e-3, "abs_log_ratio_live": 2e-3,
+            "outside_2x_replay": 0.0, "outside_5x_replay": 0.0, "outside_5x_live": 0.0}
+    live = [1e-5, 2e-5, 9e-3]  # one tail collection: the mean is its, the median ratio is not
+    replay = [8e-6, 1e-5, 1e-5]
+    lines = [rr.format_metrics(i, {**base, "k3_live": l, "k3_replay": r, "outside_2x_live": 7e-4 if l > 1e-3 else 0.0})
+             for i, (l, r) in enumerate(zip(live, replay))]
+    log = tmp_path / "train_rl-replay1-np1.log"
+    log.write_text("\n".join(["INFO:megatron.rl.rl_utils:" + line for line in lines] + ["Collecting rollouts, Iteration 3..."]))
+    out = tmp_path / "k3.md"
+    assert bench_main(["--from-log", str(log), "--out", str(out)]) is None
+    report = out.read_text()
+    assert f"| mean k3 over 3 collections (same rollouts) | {sum(replay) / 3:.3e} | {sum(live) / 3:.3e} |" in report
+    assert "median 0.500, lower in 3 of 3" in report and "in 0 and 1 collections" in report
+    records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert records[2]["mismatch/live/k3_kl"] == 9e-3 and records[2]["mismatch/live/frac_abs_gt_ln2"] == 7e-4
+    assert records[0]["routing/agreement"] == 0.99 and "agreement_moved_one_token" not in records[0]
+    titles = [panel.title for panel in plan_panels([Run("r", str(out), records)])]
+    assert titles[0] == "k3 KL estimate" and len(titles) == 4
+    with pytest.raises(SystemExit):
+        bench_main(["--from-log", str(log), "--rounds", "1", "--out", str(out)])
