@@ -11,7 +11,9 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   so the two k3 means come from one run, side by side;
 * then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none),
   ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
-  iterations after ``--skip`` (start-up, graph capture), replay's mean over live's.
+  iterations after ``--skip`` (start-up, graph capture), replay's mean over live's; where the runs log
+  Megatron's timers (``EXTRA_ARGS=--timing-log-level 1``), each phase's too (forward-backward, the
+  RL loop's rollout collection, data preparation, ...).
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -20,7 +22,8 @@ the numbers, and beside it (``OUT`` with ``.jsonl``) the metrics run's collectio
 split the work across calls (docs/megatron_rl.md, "On a GPU node").
 
 ``--from-log LOG`` runs nothing: it writes the k3 part of the report and the JSONL from the log of a
-metrics run made earlier (one cut short included: every collection it logged counts), on any machine.
+metrics run made earlier (one cut short included: every collection it logged counts), on any machine;
+``--from-step-logs REPLAY_LOG LIVE_LOG`` the step-time part from a replay run's and a live run's logs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_rl_r3.sh"
 METRICS_LINE = re.compile(r"routing replay \| iteration (\d+) \| (.*)$")
 STEP_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+# One line of Megatron's timer report (megatron/core/timers.py): "    name .....: (min, max)" across ranks, in ms.
+TIMER = re.compile(r"^\s+(\S+) \.*: \(([\d.]+), ([\d.]+)\)\s*$")
 
 
 def replay_metrics(log: str) -> list[dict]:
@@ -71,6 +76,45 @@ def step_times(log: str, skip: int) -> list[float]:
     return [float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip]
 
 
+def phase_times(log: str, skip: int) -> dict[str, list[float]]:
+    """Megatron's timers (``--timing-log-level 1``: forward-backward, the RL loop's phases) of the iterations
+    after ``skip``: the slowest rank's ms per phase, from the report that follows each iteration's line."""
+    phases, iteration = {}, None
+    for line in log.splitlines():
+        step = STEP_TIME.search(line)
+        if step:
+            iteration = int(step.group(1))
+            continue
+        timer = TIMER.match(line)
+        if timer and iteration is not None and iteration > skip:
+            phases.setdefault(timer.group(1), []).append(float(timer.group(3)))
+    return phases
+
+
+def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
+    """The step-time row and, where the runs logged Megatron's timers, one row per phase timed at every
+    counted iteration of both sides (the slowest eight by live time)."""
+    times = {replay: [t for log in logs[replay] for t in step_times(log, skip)] for replay in (True, False)}
+    if not times[True] or not times[False]:
+        sys.exit(f"bench.megatron_rl: no iteration after --skip {skip} in the "
+                 f"{'replay' if not times[True] else 'live'} runs' logs")
+    replay_ms, live_ms = statistics.fmean(times[True]), statistics.fmean(times[False])
+    rows = [f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations) | "
+            f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |"]
+    phases = {}
+    for replay in (True, False):
+        for log in logs[replay]:
+            for name, values in phase_times(log, skip).items():
+                phases.setdefault(name, {True: [], False: []})[replay] += values
+    every = {name: sides for name, sides in phases.items()
+             if len(sides[True]) == len(times[True]) and len(sides[False]) == len(times[False])}
+    for name, sides in sorted(every.items(), key=lambda item: -statistics.fmean(item[1][False]))[:8]:
+        replay_phase, live_phase = statistics.fmean(sides[True]), statistics.fmean(sides[False])
+        ratio = f"{replay_phase / live_phase:.3f}" if live_phase > 0 else "-"
+        rows.append(f"| of which `{name}`, ms | {replay_phase:.1f} | {live_phase:.1f} | {ratio} | |")
+    return rows
+
+
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
         tag: str, init: Path | None = None) -> tuple[str, str, float]:
     """One run of the example; its command as the report prints it, its log and its wall time."""
@@ -80,6 +124,8 @@ def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: 
     # The example resumes from its folder's checkpoints: a bench run starts from nothing of an earlier one.
     shutil.rmtree(out / tag, ignore_errors=True)
     env = dict(os.environ, **{k: str(v) for k, v in settings.items()})
+    if env.get("EXTRA_ARGS"):  # passed through to the example: the report names it
+        settings["EXTRA_ARGS"] = f'"{env["EXTRA_ARGS"]}"'
     command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
     start = time.perf_counter()
@@ -132,6 +178,22 @@ def from_log(log_path: Path, out: Path, skip: int) -> None:
     print("\n".join(report))
 
 
+def from_step_logs(replay_log: Path, live_log: Path, out: Path, skip: int) -> None:
+    """The step-time part of the report from the logs of a replay run and a live run, made earlier."""
+    for path in (replay_log, live_log):
+        if not path.is_file():
+            sys.exit(f"bench.megatron_rl: --from-step-logs {path}: no such file")
+    logs = {True: [replay_log.read_text(errors="replace")], False: [live_log.read_text(errors="replace")]}
+    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |",
+             *step_rows(logs, skip)]
+    report = [f"## train_rl.py step time with and without routing replay, from `{replay_log}` and `{live_log}`", "",
+              f"`python -m bench.megatron_rl --from-step-logs {replay_log} {live_log} --skip {skip} --out {out}`",
+              "", *table, ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report))
+    print("\n".join(report))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
@@ -148,7 +210,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report (and OUT with .jsonl)")
     parser.add_argument("--from-log", type=Path, metavar="LOG",
                         help="run nothing: the k3 report from the log of an earlier metrics run")
+    parser.add_argument("--from-step-logs", type=Path, nargs=2, metavar=("REPLAY_LOG", "LIVE_LOG"),
+                        help="run nothing: the step-time report from the logs of an earlier replay run and live run")
     args = parser.parse_args(argv)
+    if args.from_step_logs is not None:
+        if args.from_log is not None or args.rounds:
+            parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
+        return from_step_logs(*args.from_step_logs, args.out, args.skip)
     if args.from_log is not None:
         if args.rounds:
             parser.error("--from-log runs nothing: --rounds needs runs")
@@ -176,17 +244,15 @@ def main(argv=None):
                                  tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
         k3_summary(replay_metrics(log), table, notes, args.out)
-    times = {True: [], False: []}
+    logs = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):
             command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
                                      tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init)
             report.append(f"    {command}    # {wall:.0f} s")
-            times[replay] += step_times(log, args.skip)
+            logs[replay].append(log)
     if args.rounds:
-        replay_ms, live_ms = statistics.fmean(times[True]), statistics.fmean(times[False])
-        table.append(f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations) | "
-                     f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |")
+        table += step_rows(logs, args.skip)
     report += ["", *table, "", *notes, ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report))

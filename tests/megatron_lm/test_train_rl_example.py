@@ -325,3 +325,62 @@ def test_the_bench_reports_k3_from_the_log_of_a_run_cut_short_and_writes_the_plo
     assert titles[0] == "k3 KL estimate" and len(titles) == 4
     with pytest.raises(SystemExit):
         bench_main(["--from-log", str(log), "--rounds", "1", "--out", str(out)])
+
+
+def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp_path):
+    from bench.megatron_rl import main as bench_main
+
+    step = (" [2026-11-29 10:00:00.000000] iteration {:8d}/{:8d} | consumed samples: {:12d} | "
+            "elapsed time per iteration (ms): {:.1f} | learning rate: 1.000000E-06 |")
+
+    def timers(forward_backward, rollouts):
+        # megatron/core/timers.py's report at --timing-log-level 1, one rank.
+        return ["INFO:megatron.core.timers:(min, max) time across ranks (ms):",
+                f"    {'forward-backward '.ljust(48, '.')}: ({forward_backward:.2f}, {forward_backward:.2f})",
+                f"    {'rl/rollout-collection '.ljust(48, '.')}: ({rollouts:.2f}, {rollouts:.2f})"]
+
+    def log(steps, forward_backward):
+        lines = []
+        for it, ms in enumerate(steps, start=1):
+            lines += [step.format(it, len(steps), 32 * it, ms), *timers(forward_backward[it - 1], 5000.0)]
+        # the final save's report follows the last iteration: timed once, not a phase of every iteration
+        return "\n".join(lines + ["INFO:megatron.core.timers:(min, max) time across ranks (ms):",
+                                  f"    {'save-checkpoint '.ljust(48, '.')}: (20116.30, 20116.30)"])
+
+    replay_log, live_log = tmp_path / "replay.log", tmp_path / "live.log"
+    replay_log.write_text(log([60000.0, 13000.0, 12000.0], [9000.0, 4200.0, 3800.0]))
+    live_log.write_text(log([58000.0, 12500.0, 11500.0, 12000.0], [9000.0, 4000.0, 3600.0, 3800.0]))
+    out = tmp_path / "step.md"
+    assert bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "1", "--out", str(out)]) is None
+    report = out.read_text()
+    assert "| mean step time, ms (2 and 3 iterations) | 12500.0 | 12000.0 | 1.042 | <= 1.03 |" in report
+    assert "| of which `forward-backward`, ms | 4000.0 | 3800.0 | 1.053 | |" in report
+    assert "| of which `rl/rollout-collection`, ms | 5000.0 | 5000.0 | 1.000 | |" in report
+    assert "save-checkpoint" not in report
+    assert report.index("rl/rollout-collection") < report.index("forward-backward")  # slowest first
+    with pytest.raises(SystemExit, match="no iteration after --skip 5 in the replay runs' logs"):
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "5", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--rounds", "1", "--out", str(out)])
+
+
+def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, monkeypatch):
+    from bench.megatron_rl import run
+
+    tree = tmp_path / "Megatron-LM"
+    (tree / "megatron" / "rl").mkdir(parents=True)
+    (tree / "train_rl.py").write_text("")
+    (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
+    python = tmp_path / "python3.12"  # passes the version check; as torchrun: prints its arguments
+    python.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 0\necho "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "runs" / "time-live-0" / "assets").mkdir(parents=True)
+    (tmp_path / "runs" / "time-live-0" / "assets" / "countdown.yaml").write_text("")
+    monkeypatch.setenv("MEGATRON", str(tree))
+    monkeypatch.setenv("PYTHON", str(python))
+    monkeypatch.setenv("EXTRA_ARGS", "--timing-log-level 1")
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # keep the assets made above
+    command, log, _ = run(tmp_path / "runs", 1, 3, 384, replay=False, metrics=False, tag="time-live-0")
+    assert command.startswith('NPROC=1 ITERS=3 SEQ_LEN=384 REPLAY=0 METRICS=0 EXTRA_ARGS="--timing-log-level 1" ')
+    assert "train_rl.py" in log and log.rstrip().endswith("--timing-log-level 1")
+    assert "--moe-enable-routing-replay" not in log
