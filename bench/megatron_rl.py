@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_r3.dataplane.formats.output_files import OutputFileError, atomic_output, check_output
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "train_rl_r3.sh"
 METRICS_LINE = re.compile(r"routing replay \| iteration (\d+) \| (.*)$")
@@ -138,8 +140,35 @@ def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: 
     return command, log, wall
 
 
-def k3_summary(rows: list[dict], table: list[str], notes: list[str], out: Path) -> None:
-    """The k3 row, the routing note, and the collections as JSONL beside the report."""
+TABLE_HEAD = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
+
+
+def outputs(out: Path, k3: bool) -> list[Path]:
+    """The files a report writes: ``out``, and beside it the collections as JSONL where it has k3."""
+    return [out, out.with_suffix(".jsonl")] if k3 else [out]
+
+
+def check_outputs(out: Path, k3: bool, overwrite: bool, inputs=()) -> None:
+    """Refuses, before anything runs, an output that exists (without --overwrite), is an input or has no folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for path in outputs(out, k3):
+            check_output(str(path), [str(i) for i in inputs], overwrite)
+    except OutputFileError as error:
+        sys.exit(f"bench.megatron_rl: {error}")
+
+
+def write_report(out: Path, report: list[str], overwrite: bool, records: list[dict] | None = None) -> None:
+    """Writes the report (and the k3 records as JSONL beside it) under temporary names, renamed when complete."""
+    texts = ["\n".join(report)] + ([] if records is None else ["".join(json.dumps(r) + "\n" for r in records)])
+    for path, text in zip(outputs(out, records is not None), texts):
+        with atomic_output(str(path), overwrite=overwrite) as partial:
+            Path(partial).write_text(text)
+    print("\n".join(report))
+
+
+def k3_summary(rows: list[dict], table: list[str], notes: list[str]) -> list[dict]:
+    """The k3 row and the routing notes; returns the collections as tools/plot_metrics.py's records."""
     if not rows:
         sys.exit("bench.megatron_rl: the replay run logged no 'routing replay | ...' line")
     k3_replay = statistics.fmean(r["k3_replay"] for r in rows)
@@ -158,40 +187,36 @@ def k3_summary(rows: list[dict], table: list[str], notes: list[str], out: Path) 
                  f"{statistics.fmean(r['agreement_moved_one_token'] for r in rows):.3f}); routes the forward "
                  f"did not take: {sum(r['routes_used_differ'] for r in rows):.0f}; routed fraction "
                  f"{min(r['routed_fraction'] for r in rows):.4f} at least.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in plot_rows(rows)))
+    return plot_rows(rows)
 
 
-def from_log(log_path: Path, out: Path, skip: int) -> None:
+def from_log(log_path: Path, out: Path, skip: int, overwrite: bool) -> None:
     """The k3 part of the report from a metrics run's log, made earlier."""
+    check_outputs(out, True, overwrite, inputs=[log_path])
     log = log_path.read_text(errors="replace")
-    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
-    notes = []
-    k3_summary(replay_metrics(log), table, notes, out)
+    table, notes = list(TABLE_HEAD), []
+    records = k3_summary(replay_metrics(log), table, notes)
     times = step_times(log, skip)
     if times:
         notes.append(f"Elapsed time per iteration of this metrics run (replay + the live metrics pass), "
                      f"iterations {skip + 1}+: mean {statistics.fmean(times) / 1e3:.1f} s over {len(times)}.")
     report = [f"## train_rl.py with and without routing replay: k3 from `{log_path.name}`", "",
               f"`python -m bench.megatron_rl --from-log {log_path} --skip {skip} --out {out}`", "", *table, "", *notes, ""]
-    out.write_text("\n".join(report))
-    print("\n".join(report))
+    write_report(out, report, overwrite, records)
 
 
-def from_step_logs(replay_log: Path, live_log: Path, out: Path, skip: int) -> None:
+def from_step_logs(replay_log: Path, live_log: Path, out: Path, skip: int, overwrite: bool) -> None:
     """The step-time part of the report from the logs of a replay run and a live run, made earlier."""
     for path in (replay_log, live_log):
         if not path.is_file():
             sys.exit(f"bench.megatron_rl: --from-step-logs {path}: no such file")
+    check_outputs(out, False, overwrite, inputs=[replay_log, live_log])
     logs = {True: [replay_log.read_text(errors="replace")], False: [live_log.read_text(errors="replace")]}
-    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |",
-             *step_rows(logs, skip)]
+    table = [*TABLE_HEAD, *step_rows(logs, skip)]
     report = [f"## train_rl.py step time with and without routing replay, from `{replay_log}` and `{live_log}`", "",
               f"`python -m bench.megatron_rl --from-step-logs {replay_log} {live_log} --skip {skip} --out {out}`",
               "", *table, ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(report))
-    print("\n".join(report))
+    write_report(out, report, overwrite)
 
 
 def main(argv=None):
@@ -208,6 +233,7 @@ def main(argv=None):
     parser.add_argument("--init", type=Path, help="a checkpoint to start every run from (INIT of the example)")
     parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report (and OUT with .jsonl)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing report (refused otherwise)")
     parser.add_argument("--from-log", type=Path, metavar="LOG",
                         help="run nothing: the k3 report from the log of an earlier metrics run")
     parser.add_argument("--from-step-logs", type=Path, nargs=2, metavar=("REPLAY_LOG", "LIVE_LOG"),
@@ -216,13 +242,13 @@ def main(argv=None):
     if args.from_step_logs is not None:
         if args.from_log is not None or args.rounds:
             parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
-        return from_step_logs(*args.from_step_logs, args.out, args.skip)
+        return from_step_logs(*args.from_step_logs, args.out, args.skip, args.overwrite)
     if args.from_log is not None:
         if args.rounds:
             parser.error("--from-log runs nothing: --rounds needs runs")
         if not args.from_log.is_file():
             parser.error(f"--from-log {args.from_log}: no such file")
-        return from_log(args.from_log, args.out, args.skip)
+        return from_log(args.from_log, args.out, args.skip, args.overwrite)
     args.rounds = 2 if args.rounds is None else args.rounds
     if "MEGATRON" not in os.environ:
         sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
@@ -230,6 +256,7 @@ def main(argv=None):
 
     if torch.cuda.device_count() < args.nproc:
         sys.exit(f"bench.megatron_rl: --nproc {args.nproc} needs as many GPUs; {torch.cuda.device_count()} visible")
+    check_outputs(args.out, args.k3, args.overwrite)  # before runs of many minutes, not after
     device = torch.cuda.get_device_name()
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
     if args.init is not None:
@@ -237,13 +264,12 @@ def main(argv=None):
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
-    table = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
-    notes = []
+    table, notes, records = list(TABLE_HEAD), [], None
     if args.k3:
         command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
                                  tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
-        k3_summary(replay_metrics(log), table, notes, args.out)
+        records = k3_summary(replay_metrics(log), table, notes)
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):
@@ -254,9 +280,7 @@ def main(argv=None):
     if args.rounds:
         table += step_rows(logs, args.skip)
     report += ["", *table, "", *notes, ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(report))
-    print("\n".join(report))
+    write_report(args.out, report, args.overwrite, records)
 
 
 if __name__ == "__main__":

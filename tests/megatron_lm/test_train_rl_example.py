@@ -358,8 +358,15 @@ def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp
     assert "| of which `rl/rollout-collection`, ms | 5000.0 | 5000.0 | 1.000 | |" in report
     assert "save-checkpoint" not in report
     assert report.index("rl/rollout-collection") < report.index("forward-backward")  # slowest first
+    with pytest.raises(SystemExit, match=f"--out {out} exists: pass --overwrite to replace it"):
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "1", "--out", str(out)])
+    assert out.read_text() == report  # refused before anything was written
+    with pytest.raises(SystemExit, match=f"--out {replay_log} is the input {replay_log}"):
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--out", str(replay_log), "--overwrite"])
     with pytest.raises(SystemExit, match="no iteration after --skip 5 in the replay runs' logs"):
-        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "5", "--out", str(out)])
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "5", "--out", str(out),
+                    "--overwrite"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.log", "replay.log", "step.md"]  # no partial left
     with pytest.raises(SystemExit):
         bench_main(["--from-step-logs", str(replay_log), str(live_log), "--rounds", "1", "--out", str(out)])
 
