@@ -13,7 +13,9 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
   iterations after ``--skip`` (start-up, graph capture), replay's mean over live's; where the runs log
   Megatron's timers (``EXTRA_ARGS=--timing-log-level 1``), each phase's too (forward-backward, the
-  RL loop's rollout collection, data preparation, ...).
+  RL loop's rollout collection, data preparation, ...), and where they log the engine's steps
+  (``--inference-logging-step-interval 1``), the steps per rollout collection (the generation lengths,
+  which sampling sets) and the time of a decode step at equal active requests (replay's cost in the engine).
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -47,6 +49,11 @@ METRICS_LINE = re.compile(r"routing replay \| iteration (\d+) \| (.*)$")
 STEP_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 # One line of Megatron's timer report (megatron/core/timers.py): "    name .....: (min, max)" across ranks, in ms.
 TIMER = re.compile(r"^\s+(\S+) \.*: \(([\d.]+), ([\d.]+)\)\s*$")
+ROLLOUTS = "rl/rollout-collection"  # the RL loop's timer around a step's generation (megatron/rl/rl_utils.py)
+# One step of Megatron's dynamic engine (``--inference-logging-step-interval 1``: dynamic_engine.py's console
+# line, colored where the step is decode-only): the rank, the step's time in ms, its kind, the active requests.
+ENGINE_STEP = re.compile(r"\* rank (\d+) \| step \d+ \| \S+ \.\.\. time: ([\d.]+) ms "
+                         r"\[(decode|non-decode)\b.*? reqs: a (\d+)/")
 
 
 def replay_metrics(log: str) -> list[dict]:
@@ -93,6 +100,51 @@ def phase_times(log: str, skip: int) -> dict[str, list[float]]:
     return phases
 
 
+def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
+    """The engine steps of the rollout collections of the iterations after ``skip``, one tuple per step
+    (iteration, ms, decode-only, active requests), of the lowest rank that logs them: a collection runs before
+    its iteration's line, so the steps between the lines of iterations N - 1 and N are iteration N's."""
+    steps, iteration = [], 0
+    for line in log.splitlines():
+        step = STEP_TIME.search(line)
+        if step:
+            iteration = int(step.group(1))
+            continue
+        engine = ENGINE_STEP.search(line)
+        if engine and iteration + 1 > skip:
+            steps.append((int(engine.group(1)), iteration + 1, float(engine.group(2)),
+                          engine.group(3) == "decode", int(engine.group(4))))
+    rank = min((s[0] for s in steps), default=0)
+    # a collection whose iteration never ended (a run cut short) has no step time to stand beside
+    return [s[1:] for s in steps if s[0] == rank and s[1] <= iteration]
+
+
+def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, int]) -> list[str]:
+    """Where the runs logged the engine's steps: the steps per rollout collection (the generation lengths, which
+    sampling sets) and the time of a decode step at the same number of active requests on both sides (live's
+    mix of them): replay's cost in the engine, whatever the lengths."""
+    steps = {replay: [s for log in logs[replay] for s in engine_steps(log, skip)] for replay in (True, False)}
+    if not steps[True] or not steps[False]:
+        return []
+    per_collection = {replay: len(steps[replay]) / iterations[replay] for replay in (True, False)}
+    rows = [f"| engine steps per rollout collection | {per_collection[True]:.1f} | {per_collection[False]:.1f} | "
+            f"{per_collection[True] / per_collection[False]:.3f} | |"]
+    decode = {replay: {} for replay in (True, False)}
+    for replay in (True, False):
+        for _, ms, decode_only, active in steps[replay]:
+            if decode_only:
+                decode[replay].setdefault(active, []).append(ms)
+    common = sorted(set(decode[True]) & set(decode[False]))
+    if common:
+        weight = {active: len(decode[False][active]) for active in common}
+        replay_ms, live_ms = (sum(weight[a] * statistics.fmean(decode[side][a]) for a in common) / sum(weight.values())
+                              for side in (True, False))
+        rows.append(f"| engine decode step, ms ({sum(len(decode[True][a]) for a in common)} and "
+                    f"{sum(weight.values())} steps at {common[0]}-{common[-1]} active requests, live's mix) | "
+                    f"{replay_ms:.2f} | {live_ms:.2f} | {replay_ms / live_ms:.3f} | |")
+    return rows
+
+
 def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     """The step-time row and, where the runs logged Megatron's timers, one row per phase timed at every
     counted iteration of both sides (the slowest eight by live time)."""
@@ -101,8 +153,10 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
         sys.exit(f"bench.megatron_rl: no iteration after --skip {skip} in the "
                  f"{'replay' if not times[True] else 'live'} runs' logs")
     replay_ms, live_ms = statistics.fmean(times[True]), statistics.fmean(times[False])
+    replay_median, live_median = statistics.median(times[True]), statistics.median(times[False])
     rows = [f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations) | "
-            f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |"]
+            f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |",
+            f"| median step time, ms | {replay_median:.1f} | {live_median:.1f} | {replay_median / live_median:.3f} | |"]
     phases = {}
     for replay in (True, False):
         for log in logs[replay]:
@@ -114,7 +168,12 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
         replay_phase, live_phase = statistics.fmean(sides[True]), statistics.fmean(sides[False])
         ratio = f"{replay_phase / live_phase:.3f}" if live_phase > 0 else "-"
         rows.append(f"| of which `{name}`, ms | {replay_phase:.1f} | {live_phase:.1f} | {ratio} | |")
-    return rows
+    if ROLLOUTS in every:  # the step without its generation, whose length sampling sets
+        rest = {replay: statistics.fmean(times[replay]) - statistics.fmean(every[ROLLOUTS][replay])
+                for replay in (True, False)}
+        rows.insert(2, f"| step time less `{ROLLOUTS}`, ms | {rest[True]:.1f} | {rest[False]:.1f} | "
+                       f"{rest[True] / rest[False]:.3f} | |")
+    return rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
 
 
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,

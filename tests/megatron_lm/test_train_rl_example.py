@@ -356,6 +356,7 @@ def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp
     assert "| mean step time, ms (2 and 3 iterations) | 12500.0 | 12000.0 | 1.042 | <= 1.03 |" in report
     assert "| of which `forward-backward`, ms | 4000.0 | 3800.0 | 1.053 | |" in report
     assert "| of which `rl/rollout-collection`, ms | 5000.0 | 5000.0 | 1.000 | |" in report
+    assert "| step time less `rl/rollout-collection`, ms | 7500.0 | 7000.0 | 1.071 | |" in report
     assert "save-checkpoint" not in report
     assert report.index("rl/rollout-collection") < report.index("forward-backward")  # slowest first
     with pytest.raises(SystemExit, match=f"--out {out} exists: pass --overwrite to replace it"):
@@ -369,6 +370,58 @@ def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["live.log", "replay.log", "step.md"]  # no partial left
     with pytest.raises(SystemExit):
         bench_main(["--from-step-logs", str(replay_log), str(live_log), "--rounds", "1", "--out", str(out)])
+
+
+def engine_line(rank, step, ms, decode, active):
+    """dynamic_engine.py's console line at --inference-logging-step-interval (decode-only steps in color)."""
+    kind = "decode" if decode else "non-decode (prev: decode)"
+    line = (f"* rank {rank} | step {step} | 10:00:00 ... time: {ms:.3f} ms [{kind} + real config [{active}]: "
+            f"0 P + {active} D + cuda graph OFF] ... reqs: a {active}/32, p 0, w 0, f 3, e 0 ... blocks: "
+            "occupied 40/900, allocatable 860, active-used 40, paused-used 0/0 ... mem: tensors 900, alloc 4.6 gb, res 4.8 gb.")
+    return f"\033[94m{line}\033[0m" if decode else line
+
+
+def test_the_bench_reports_the_engine_steps_per_collection_and_a_decode_step_at_equal_active_requests(tmp_path):
+    from bench.megatron_rl import engine_steps, main as bench_main
+
+    step = " [2026-11-29 10:00:00.000000] iteration {:8d}/{:8d} | elapsed time per iteration (ms): {:.1f} |"
+
+    def log(collections, rank=0):
+        # collections: per iteration, its engine steps as (ms, decode-only, active requests); each before its line
+        lines, count = [], 0
+        for it, collection in enumerate(collections, start=1):
+            for ms, decode, active in collection:
+                count += 1
+                lines += [engine_line(rank, count, ms, decode, active), engine_line(rank + 1, count, 99.0, True, 1)]
+            lines.append(step.format(it, len(collections), 1000.0 * len(collection)))
+        return "\n".join(lines)
+
+    # replay: decode steps cost 10% more at each active count; its collections are longer (two at 1 request)
+    replay = [[(50.0, False, 32)] * 9, [(50.0, False, 32), (22.0, True, 32), (11.0, True, 1), (11.0, True, 1)],
+              [(22.0, True, 32), (11.0, True, 1), (11.0, True, 1)]]
+    live = [[(50.0, False, 32)], [(50.0, False, 32), (20.0, True, 32)], [(20.0, True, 32), (10.0, True, 1)],
+            [(20.0, True, 32), (30.0, True, 5)]]
+    # the first collection (skipped) and rank 1's steps count for nothing; a collection cut short neither
+    replay_text = log(replay) + "\n" + engine_line(0, 99, 5000.0, True, 32)
+    assert engine_steps(replay_text, 1) == [(2, 50.0, False, 32), (2, 22.0, True, 32), (2, 11.0, True, 1),
+                                            (2, 11.0, True, 1), (3, 22.0, True, 32), (3, 11.0, True, 1),
+                                            (3, 11.0, True, 1)]
+    (tmp_path / "replay.log").write_text(replay_text)
+    (tmp_path / "live.log").write_text(log(live))
+    out = tmp_path / "step.md"
+    bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--skip", "1",
+                "--out", str(out)])
+    report = out.read_text()
+    assert "| engine steps per rollout collection | 3.5 | 2.0 | 1.750 | |" in report
+    # live's mix over the active counts both sides ran at (5 is live's only): 3 steps at 32, 1 at 1
+    assert ("| engine decode step, ms (6 and 4 steps at 1-32 active requests, live's mix) | "
+            f"{(3 * 22.0 + 11.0) / 4:.2f} | {(3 * 20.0 + 10.0) / 4:.2f} | 1.100 | |") in report
+    # runs that logged no engine step: no engine rows
+    (tmp_path / "plain.log").write_text("\n".join(step.format(it, 3, 1000.0) for it in (1, 2, 3)))
+    bench_main(["--from-step-logs", str(tmp_path / "plain.log"), str(tmp_path / "live.log"), "--skip", "1",
+                "--out", str(out), "--overwrite"])
+    assert "engine" not in out.read_text()
+    assert "| median step time, ms | 1000.0 | 2000.0 | 0.500 | |" in out.read_text()
 
 
 def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, monkeypatch):
