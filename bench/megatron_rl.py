@@ -85,17 +85,24 @@ def step_times(log: str, skip: int) -> list[float]:
     return [float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip]
 
 
-def phase_times(log: str, skip: int) -> dict[str, list[float]]:
-    """Megatron's timers (``--timing-log-level 1``: forward-backward, the RL loop's phases) of the iterations
-    after ``skip``: the slowest rank's ms per phase, from the report that follows each iteration's line."""
-    phases, iteration = {}, None
+def lines_after_iterations(log: str):
+    """Each line of a log but the iterations' own, with the last iteration logged before it (0 before any)."""
+    iteration = 0
     for line in log.splitlines():
         step = STEP_TIME.search(line)
         if step:
             iteration = int(step.group(1))
-            continue
+        else:
+            yield iteration, line
+
+
+def phase_times(log: str, skip: int) -> dict[str, list[float]]:
+    """Megatron's timers (``--timing-log-level 1``: forward-backward, the RL loop's phases) of the iterations
+    after ``skip``: the slowest rank's ms per phase, from the report that follows each iteration's line."""
+    phases = {}
+    for iteration, line in lines_after_iterations(log):
         timer = TIMER.match(line)
-        if timer and iteration is not None and iteration > skip:
+        if timer and iteration > skip:
             phases.setdefault(timer.group(1), []).append(float(timer.group(3)))
     return phases
 
@@ -104,19 +111,16 @@ def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
     """The engine steps of the rollout collections of the iterations after ``skip``, one tuple per step
     (iteration, ms, decode-only, active requests), of the lowest rank that logs them: a collection runs before
     its iteration's line, so the steps between the lines of iterations N - 1 and N are iteration N's."""
-    steps, iteration = [], 0
-    for line in log.splitlines():
-        step = STEP_TIME.search(line)
-        if step:
-            iteration = int(step.group(1))
-            continue
+    steps = []
+    for iteration, line in lines_after_iterations(log):
         engine = ENGINE_STEP.search(line)
         if engine and iteration + 1 > skip:
             steps.append((int(engine.group(1)), iteration + 1, float(engine.group(2)),
                           engine.group(3) == "decode", int(engine.group(4))))
     rank = min((s[0] for s in steps), default=0)
     # a collection whose iteration never ended (a run cut short) has no step time to stand beside
-    return [s[1:] for s in steps if s[0] == rank and s[1] <= iteration]
+    last = max((int(it) for it, _ in STEP_TIME.findall(log)), default=0)
+    return [s[1:] for s in steps if s[0] == rank and s[1] <= last]
 
 
 def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, int]) -> list[str]:
