@@ -26,7 +26,10 @@ loss) on the same samples, prepared by the loop's microbatch pipeline
   (:mod:`megatron_r3.rl.trainer.update_graphs`; device token counts, as a graph needs), where
   the layout allows (one GPU per replica, grouped experts that keep their token counts on the
   device: ``--moe-grouped-gemm-impl torch``); skipped, with the reason, elsewhere. One graph per
-  process: a graphed variant whose graph another replaced is captured again, untimed.
+  process: a graphed variant whose graph another replaced is captured again, untimed, and every
+  variant timed after a capture in the same round first runs one pass untimed (a capture empties
+  the allocator's cache). Every variant runs on the trainer's stream and zeroes its gradients in
+  place before its pass, as the trainer does.
 
 ``--data full``: every sample fills ``seq_length / micro_batch_size`` tokens and every
 token has a route. ``--data rollout``: what an RL loop trains on: a prompt and a
@@ -82,6 +85,7 @@ from megatron_r3.rl.model import factory as model_factory
 from megatron_r3.rl.model.passes import run_pass
 from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
+from megatron_r3.rl.trainer.training_stack import on_training_stream
 from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
 from megatron_r3.routing_replay import chunk_moe_layers, host_counts_refused
 
@@ -207,10 +211,12 @@ class UpdatePass:
 
     def __init__(self, args, model, config, device, samples):
         self.model, self.config, self.samples = model, config, samples
-        # The pass's own gradients are dropped through this list: Module.zero_grad walks every
-        # submodule (about 15% of a pass's host profile at 128 experts), which the trainer,
-        # zeroing DDP's buffers in place, never does.
+        # Every variant's gradients are zeroed in place before its pass, as the trainer zeroes DDP's
+        # buffers: the graphs accumulate into the tensors they captured, so no variant may drop them, and
+        # an eager pass that starts from no gradient would skip the add a graphed one makes. Through this
+        # list: Module.zero_grad walks every submodule (about 15% of a pass's host profile at 128 experts).
         self.params = list(model.parameters())
+        self.device = device
         spec = RoutingSpec.from_config(config, args.hybrid_layer_pattern)
         rows = RowLayout(RankLayout.of_this_rank(config.sequence_parallel), config,
                          args.seq_length, args.micro_batch_size, device, args.hybrid_layer_pattern)
@@ -223,7 +229,6 @@ class UpdatePass:
         # Megatron's full-iteration graph of the whole pass (one per process: graphed variants take turns).
         self.graphs = UpdatePassGraphs([model], self.loss)
         self._graphed = None  # the variant the graph holds
-        self._graph_grads = []
 
     def plan(self, variant: str) -> PlannedBatch:
         """The host's preparation of the variant's batch: rows, plans, fillers, staged routes, host counts."""
@@ -231,17 +236,16 @@ class UpdatePass:
         return pipeline.plan(self.samples, self.advantages, rollout_routes=_base(variant) != "live",
                              fillers=variant != "replay-live-tail")
 
-    def settle(self, variant: str) -> None:
+    def settle(self, variant: str) -> bool:
         """Before any pass of a graphed variant: where the graph is another variant's (or none), capture this
-        one's: the wrapper's first pass runs eagerly, its second captures."""
-        if variant.endswith(GRAPHED) and self._graphed != variant:
-            self.graphs.reset()
-            self._graphed = variant
-            for _ in range(2):
-                self(variant, self.plan(variant))
-            # The graph accumulates into these gradients (their memory, not the attribute): they must outlive
-            # the eager variants, which drop the parameters' gradients.
-            self._graph_grads = [param.grad for param in self.params]
+        one's: the wrapper's first pass runs eagerly, its second captures. Whether it captured."""
+        if not variant.endswith(GRAPHED) or self._graphed == variant:
+            return False
+        self.graphs.reset()
+        self._graphed = variant
+        for _ in range(2):
+            self(variant, self.plan(variant))
+        return True
 
     def __call__(self, variant: str, batch: PlannedBatch) -> float:
         start = time.perf_counter()
@@ -251,23 +255,26 @@ class UpdatePass:
         then = _to_router_replay if variant == "upstream" else None
         microbatches = pipeline.prepare(batch, rollout_routes=routes, fillers=variant != "replay-live-tail",
                                         then=then)
-        if variant.endswith(GRAPHED):
-            if self._graphed != variant:
-                raise RuntimeError(f"bench.step: settle({variant!r}) before its passes")
-            # Its gradients accumulate pass after pass (this benchmark reads none); eager passes drop theirs.
-            self.graphs.run(microbatches)
-            return time.perf_counter() - start
-        for param in self.params:
-            param.grad = None
-        if variant == "upstream":
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        try:
-            run_pass([self.model], microbatches, self.loss, replay=routes and variant != "upstream",
-                     forward_only=False)
-        finally:
+        if variant.endswith(GRAPHED) and self._graphed != variant:
+            raise RuntimeError(f"bench.step: settle({variant!r}) before its passes")
+        # The trainer's stream for every variant: autograd runs a parameter's gradient accumulation on the
+        # stream its first backward ran on, and a capture cannot accumulate on another.
+        with on_training_stream(self.device):
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.zero_()
+            if variant.endswith(GRAPHED):
+                self.graphs.run(microbatches)
+                return time.perf_counter() - start
             if variant == "upstream":
-                RouterReplay.clear_global_router_replay_action()
-                RouterReplay.clear_global_indices()  # its backward list grows otherwise
+                RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            try:
+                run_pass([self.model], microbatches, self.loss, replay=routes and variant != "upstream",
+                         forward_only=False)
+            finally:
+                if variant == "upstream":
+                    RouterReplay.clear_global_router_replay_action()
+                    RouterReplay.clear_global_indices()  # its backward list grows otherwise
         return time.perf_counter() - start
 
 
@@ -435,8 +442,14 @@ def main(argv=None):
     prepare = {v: [] for v in variants}
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
+        captured = False
         for variant in order:
-            update_pass.settle(variant)  # a graphed variant whose graph another one replaced: captured again
+            # a graphed variant whose graph another one replaced is captured again; a capture empties the
+            # allocator's cache, so a variant timed after one first runs a pass untimed to fill it again
+            captured = update_pass.settle(variant) or captured
+            if captured:
+                run(variant)
+                sync()
             times = []
             for _ in range(args.steps):
                 sync()
