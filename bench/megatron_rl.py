@@ -168,15 +168,15 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
                 phases.setdefault(name, {True: [], False: []})[replay] += values
     every = {name: sides for name, sides in phases.items()
              if len(sides[True]) == len(times[True]) and len(sides[False]) == len(times[False])}
+    if ROLLOUTS in every:  # the step without its generation, whose length sampling sets
+        rest = {replay: statistics.fmean(times[replay]) - statistics.fmean(every[ROLLOUTS][replay])
+                for replay in (True, False)}
+        rows.append(f"| step time less `{ROLLOUTS}`, ms | {rest[True]:.1f} | {rest[False]:.1f} | "
+                    f"{rest[True] / rest[False]:.3f} | |")
     for name, sides in sorted(every.items(), key=lambda item: -statistics.fmean(item[1][False]))[:8]:
         replay_phase, live_phase = statistics.fmean(sides[True]), statistics.fmean(sides[False])
         ratio = f"{replay_phase / live_phase:.3f}" if live_phase > 0 else "-"
         rows.append(f"| of which `{name}`, ms | {replay_phase:.1f} | {live_phase:.1f} | {ratio} | |")
-    if ROLLOUTS in every:  # the step without its generation, whose length sampling sets
-        rest = {replay: statistics.fmean(times[replay]) - statistics.fmean(every[ROLLOUTS][replay])
-                for replay in (True, False)}
-        rows.insert(2, f"| step time less `{ROLLOUTS}`, ms | {rest[True]:.1f} | {rest[False]:.1f} | "
-                       f"{rest[True] / rest[False]:.3f} | |")
     return rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
 
 
