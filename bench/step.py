@@ -129,6 +129,10 @@ def parse_args(argv=None):
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="print the N functions the host spends most time in (their own time, cProfile) during "
                              "one pass of each variant, to find what a host-bound pass waits on")
+    parser.add_argument("--profile-device", type=int, default=0, metavar="N",
+                        help="add to the report the N kernels with the most device time over one pass of each "
+                             "variant (torch's profiler; on a CPU run, the N operators with the most CPU time), "
+                             "to see where a device-bound pass spends its time")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of the variants (default: all; live and upstream always run)")
     parser.add_argument("--rounds", type=int, default=10)
@@ -362,17 +366,37 @@ def host_profile(fn, top: int) -> str:
     return out.getvalue()
 
 
-def kernel_ms(fn) -> float:
-    """Device compute time of one call of fn, in ms: its kernels' time (profiler), NCCL's
-    excluded (a collective's kernel also counts the time it waits for its peers)."""
+def kernel_times(fn, on_gpu: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, ms) of every kernel of one call of fn by its own device time, the most first
+    (torch's profiler); on a CPU, of every operator by its own CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages()
-                   if e.self_device_time_total > 0 and "nccl" not in e.key.lower())
-    return total_us / 1e3
+        if on_gpu:
+            torch.cuda.synchronize()
+    own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    rows = [(e.key, e.count, getattr(e, own) / 1e3) for e in prof.key_averages() if getattr(e, own) > 0]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def compute_ms(kernels: list[tuple[str, int, float]]) -> float:
+    """Device compute time: every kernel's but NCCL's (a collective's kernel also counts the time
+    it waits for its peers)."""
+    return sum(ms for name, _, ms in kernels if "nccl" not in name.lower())
+
+
+def kernel_table(variant: str, kernels: list[tuple[str, int, float]], top: int, on_gpu: bool) -> list[str]:
+    """Markdown lines: the ``top`` kernels of one pass of ``variant`` with their share of all kernels' time."""
+    total = sum(ms for _, _, ms in kernels)
+    what, whole = ("kernel", "device time, NCCL's included") if on_gpu else ("operator", "CPU time")
+    lines = [f"Where one `{variant}` pass spends its time: the {min(top, len(kernels))} largest of its "
+             f"{len(kernels)} {what}s by their own {whole}, {total:.2f} ms in all.", "",
+             f"| {what} | calls | ms | share |", "|---|---:|---:|---:|"]
+    for name, calls, ms in kernels[:top]:
+        short = name if len(name) <= 100 else name[:97] + "..."
+        lines.append(f"| `{short.replace('`', chr(39)).replace('|', '/')}` | {calls} | {ms:.2f} | {ms / total:.1%} |")
+    return lines + [""]
 
 
 def main(argv=None):
@@ -423,10 +447,12 @@ def main(argv=None):
                 update_pass(variant, batch)
             sync()
         syncs[variant] = counts
-    device_ms = {}
-    for variant in variants if on_gpu else ():
+    device_ms, kernels = {}, {}
+    for variant in variants if on_gpu or args.profile_device else ():
         update_pass.settle(variant)
-        device_ms[variant] = kernel_ms(partial(update_pass, variant, update_pass.plan(variant)))
+        kernels[variant] = kernel_times(partial(update_pass, variant, update_pass.plan(variant)), on_gpu)
+        if on_gpu:
+            device_ms[variant] = compute_ms(kernels[variant])
     if args.profile_host:
         for variant in variants:
             update_pass.settle(variant)
@@ -474,6 +500,9 @@ def main(argv=None):
     if rank == 0:
         report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, prepare,
                         device_ms, flops, tokens, peak, skipped)
+        if args.profile_device:
+            report += "\n" + "\n".join(line for v in variants
+                                        for line in kernel_table(v, kernels[v], args.profile_device, on_gpu))
         publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

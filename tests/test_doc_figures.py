@@ -77,6 +77,23 @@ def test_the_train_rl_warm_start_figures_are_the_file():
     assert f"({replay:.2e} against {live:.2e}, ratio {replay / live:.3f}".replace("e-0", "e-") in guide
 
 
+def test_the_train_rl_warm_start_figures_on_two_gpus_are_the_file():
+    rows, replay, live, bench = warm_start_figures("megatron-rl-warm1024-np2-metrics.jsonl")
+    assert len(rows) == 50
+    lower = sum(row["mismatch/replay/k3_kl"] < row["mismatch/live/k3_kl"] for row in rows)
+    bench = bench.replace("\n", " ")
+    assert f"Replay was lower in {lower} of {len(rows)}" in bench
+    worst = max(rows, key=lambda row: row["mismatch/live/k3_kl"])
+    rest = [row for row in rows if row is not worst]
+    rest_replay, rest_live = mean(rest, "mismatch/replay/k3_kl"), mean(rest, "mismatch/live/k3_kl")
+    assert (f"without that collection the ratio is {rest_replay / rest_live:.3f} ({rest_replay:.2e} against "
+            f"{rest_live:.2e})".replace("e-0", "e-") in bench)
+    assert f"at iteration {worst['iteration']} one" in bench
+    guide = (ROOT / "docs" / "megatron_rl.md").read_text().replace("\n  ", " ")
+    assert f"mean with replay {replay / live:.3f} of routing live over {len(rows)} collections ({replay:.2e} against " \
+           f"{live:.2e})".replace("e-0", "e-") in guide
+
+
 def test_the_train_rl_warm_start_figures_at_seq_len_1024_are_the_file():
     rows, replay, live, bench = warm_start_figures("megatron-rl-warm1024-metrics.jsonl")
     lower = sum(row["mismatch/replay/k3_kl"] < row["mismatch/live/k3_kl"] for row in rows)

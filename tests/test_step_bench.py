@@ -1,0 +1,59 @@
+"""bench.step's kernel profile (--profile-device): the table a missed MFU target is read from.
+
+The benchmark itself times a GPU; its CPU smoke run (``--device cpu``) goes through the same code
+path with operators in place of kernels, which is what runs here.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.step import compute_ms, kernel_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_compute_leaves_out_nccl_whose_kernels_wait_for_peers():
+    kernels = [("ncclDevKernel_SendRecv", 16, 40.0), ("nvjet_tst_128x256", 96, 25.5), ("flash_fwd", 8, 4.5)]
+    assert compute_ms(kernels) == 30.0
+
+
+def test_the_kernel_table_gives_each_kernels_share_of_the_whole_pass():
+    kernels = [("gemm|" + "x" * 200, 3, 6.0), ("`attn`", 2, 3.0), ("norm", 1, 1.0)]
+    lines = kernel_table("replay", kernels, top=2, on_gpu=True)
+    assert lines[0] == ("Where one `replay` pass spends its time: the 2 largest of its 3 kernels by their own "
+                        "device time, NCCL's included, 10.00 ms in all.")
+    rows = [line for line in lines if line.startswith("| `")]
+    assert len(rows) == 2
+    name, calls, ms, share = (cell.strip() for cell in rows[0].strip("|").split("|"))
+    assert name.startswith("`gemm/xxx") and name.endswith("...`") and len(name) == 102
+    assert (calls, ms, share) == ("3", "6.00", "60.0%")
+    assert rows[1] == "| `'attn'` | 2 | 3.00 | 30.0% |"
+
+
+def test_a_cpu_run_reports_each_variants_largest_operators_most_first(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "step.md"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    subprocess.run(
+        [sys.executable, "-m", "bench.step", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", "8", "--moe-router-topk", "2",
+         "--moe-ffn-hidden-size", "32", "--seq-length", "128", "--micro-batch-size", "2", "--microbatches", "2",
+         "--vocab-size", "128", "--rounds", "1", "--steps", "1", "--warmup", "1", "--variants", "replay",
+         "--profile-device", "4", "--out", str(out)],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
+    report = out.read_text()
+    for variant in ("live", "upstream", "replay"):
+        head = f"Where one `{variant}` pass spends its time: the 4 largest of its "
+        assert report.count(head) == 1
+        table = report.split(head)[1].split("\n\n")[1].splitlines()[2:]
+        assert len(table) == 4
+        ms = [float(row.split("|")[3]) for row in table]
+        assert ms == sorted(ms, reverse=True) and ms[-1] > 0
+        assert all(row.startswith("| `aten::") for row in table)
+    # the experts' and attention's products lead a pass of this model on a CPU
+    assert "`aten::mm`" in report
