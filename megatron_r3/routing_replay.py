@@ -118,9 +118,13 @@ def moe_routing_for_chunk(
                     f"builds {moe_layers})"
                 )
             rows = [layer_numbers.index(n) for n in moe_layers]
-            # A blocking host-to-device copy of the index would wait for the stream.
-            index = torch.tensor(rows, dtype=torch.long).to(expert_ids.device, non_blocking=True)
-            expert_ids = expert_ids.index_select(0, index)
+            # Rows taken by Python indices, no index tensor: its host-to-device copy would wait for
+            # the stream if blocking, and a CUDA graph capture would record its host buffer if not.
+            # Consecutive rows (another stage's layers around this chunk's) stay a view.
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                expert_ids = expert_ids[rows[0] : rows[0] + len(rows)]
+            else:
+                expert_ids = torch.stack([expert_ids[r] for r in rows])
             if host_tokens_per_expert is not None:
                 host_tokens_per_expert = host_tokens_per_expert[:, rows]
     return MoERouting(

@@ -71,3 +71,16 @@ def test_fitting_arguments_give_the_chunks_rows():
     # Rows of -1 are fine where the live router decides them.
     assert moe_routing_for_chunk(StubChunk(), with_no_route(routes(), 0, 0)).every_token_routed is False
     assert moe_routing_for_chunk(StubChunk(), routes(), every_token_routed=True).every_token_routed
+
+
+def test_a_chunks_rows_are_taken_without_an_index_tensor():
+    """The rows are picked by Python indices (an index tensor's host-to-device copy would wait for the stream, or,
+    non-blocking, leave its host buffer in a CUDA graph capture): consecutive rows, as when the routes of every
+    stage are given in layer order, stay a view of the caller's tensor; rows in another order are stacked."""
+    ids = routes(layers=3)
+    every_stage = moe_routing_for_chunk(StubChunk(moe_layers=(4, 6)), ids, [2, 4, 6])
+    assert torch.equal(every_stage.expert_ids, ids[1:])
+    assert every_stage.expert_ids.data_ptr() == ids[1].data_ptr() and every_stage.expert_ids.is_contiguous()
+    shuffled = moe_routing_for_chunk(StubChunk(moe_layers=(2, 6)), ids, [6, 4, 2])
+    assert shuffled.layer_numbers == [2, 6] and torch.equal(shuffled.expert_ids, ids[[2, 0]])
+    assert shuffled.expert_ids.data_ptr() != ids.data_ptr()

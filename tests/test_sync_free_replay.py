@@ -174,8 +174,8 @@ def test_the_launchers_replayed_update_pass_makes_no_host_sync(experts):
 
 def test_routes_given_in_another_layer_order_are_selected_without_a_host_sync():
     """A caller may hold the routes' layers in another order than the chunk builds them (or more
-    layers, of other pipeline stages): the rows are selected by an index on the device, whose
-    blocking host-to-device copy waited for the stream (fails before)."""
+    layers, of other pipeline stages): the rows are taken by Python indices (a blocking
+    host-to-device copy of an index tensor waited for the stream)."""
     from tests.support.replay import NUM_EXPERTS, TOPK, init_single_rank, make_config, make_model
 
     init_single_rank()
