@@ -100,6 +100,13 @@ def _base(variant: str) -> str:
     return variant.removesuffix(GRAPHED)
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count of kernels, 0 or more, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=("rollout", "full"), default="rollout")
@@ -129,7 +136,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="print the N functions the host spends most time in (their own time, cProfile) during "
                              "one pass of each variant, to find what a host-bound pass waits on")
-    parser.add_argument("--profile-device", type=int, default=0, metavar="N",
+    parser.add_argument("--profile-device", type=_count, default=0, metavar="N",
                         help="add to the report the N kernels with the most device time over one pass of each "
                              "variant (torch's profiler; on a CPU run, the N operators with the most CPU time), "
                              "to see where a device-bound pass spends its time")
@@ -387,11 +394,13 @@ def compute_ms(kernels: list[tuple[str, int, float]]) -> float:
 
 
 def kernel_table(variant: str, kernels: list[tuple[str, int, float]], top: int, on_gpu: bool) -> list[str]:
-    """Markdown lines: the ``top`` kernels of one pass of ``variant`` with their share of all kernels' time."""
+    """Markdown lines: the ``top`` kernels of one pass of ``variant``, each with its share of the sum of all
+    kernels' own times (not of the pass's wall time: an NCCL kernel also counts its wait for the peers, and
+    kernels of overlapping streams both count)."""
     total = sum(ms for _, _, ms in kernels)
-    what, whole = ("kernel", "device time, NCCL's included") if on_gpu else ("operator", "CPU time")
+    what, whole = ("kernel", "device time (NCCL's included)") if on_gpu else ("operator", "CPU time")
     lines = [f"Where one `{variant}` pass spends its time: the {min(top, len(kernels))} largest of its "
-             f"{len(kernels)} {what}s by their own {whole}, {total:.2f} ms in all.", "",
+             f"{len(kernels)} {what}s by their own {whole}, of {total:.2f} ms summed over all of them.", "",
              f"| {what} | calls | ms | share |", "|---|---:|---:|---:|"]
     for name, calls, ms in kernels[:top]:
         short = name if len(name) <= 100 else name[:97] + "..."

@@ -120,9 +120,11 @@ def moe_routing_for_chunk(
             rows = [layer_numbers.index(n) for n in moe_layers]
             # Rows taken by Python indices, no index tensor: its host-to-device copy would wait for
             # the stream if blocking, and a CUDA graph capture would record its host buffer if not.
-            # Consecutive rows (another stage's layers around this chunk's) stay a view.
-            if rows == list(range(rows[0], rows[0] + len(rows))):
-                expert_ids = expert_ids[rows[0] : rows[0] + len(rows)]
+            # Consecutive rows (another stage's layers around this chunk's) stay a view; a chunk
+            # without MoE layers gets none.
+            start = rows[0] if rows else 0
+            if rows == list(range(start, start + len(rows))):
+                expert_ids = expert_ids[start : start + len(rows)]
             else:
                 expert_ids = torch.stack([expert_ids[r] for r in rows])
             if host_tokens_per_expert is not None:

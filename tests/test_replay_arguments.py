@@ -84,3 +84,6 @@ def test_a_chunks_rows_are_taken_without_an_index_tensor():
     shuffled = moe_routing_for_chunk(StubChunk(moe_layers=(2, 6)), ids, [6, 4, 2])
     assert shuffled.layer_numbers == [2, 6] and torch.equal(shuffled.expert_ids, ids[[2, 0]])
     assert shuffled.expert_ids.data_ptr() != ids.data_ptr()
+    dense_stage = moe_routing_for_chunk(StubChunk(moe_layers=()), ids, [2, 4, 6],
+                                        host_tokens_per_expert=torch.zeros(1, 3, 4, dtype=torch.int64))
+    assert dense_stage.layer_numbers == [] and dense_stage.expert_ids.shape == (0, 3, 2)
