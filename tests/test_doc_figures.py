@@ -70,6 +70,15 @@ def warm_start_figures(name: str) -> tuple[list[dict], float, float, str]:
     return rows, replay, live, bench
 
 
+def lower_count_and_guide(rows: list[dict], replay: float, live: float, bench: str) -> None:
+    """Checks the page's count of collections where replay was lower and docs/megatron_rl.md's line of the run."""
+    lower = sum(row["mismatch/replay/k3_kl"] < row["mismatch/live/k3_kl"] for row in rows)
+    assert f"Replay was lower in {lower} of {len(rows)}" in bench
+    guide = (ROOT / "docs" / "megatron_rl.md").read_text().replace("\n  ", " ")
+    assert f"mean with replay {replay / live:.3f} of routing live over {len(rows)} collections ({replay:.2e} against " \
+           f"{live:.2e})".replace("e-0", "e-") in guide
+
+
 def test_the_train_rl_warm_start_figures_are_the_file():
     rows, replay, live, bench = warm_start_figures("megatron-rl-warm-metrics.jsonl")
     assert f"picks the engine's top-4 set for {100 * mean(rows, 'routing/agreement'):.1f}%" in bench
@@ -80,26 +89,19 @@ def test_the_train_rl_warm_start_figures_are_the_file():
 def test_the_train_rl_warm_start_figures_on_two_gpus_are_the_file():
     rows, replay, live, bench = warm_start_figures("megatron-rl-warm1024-np2-metrics.jsonl")
     assert len(rows) == 50
-    lower = sum(row["mismatch/replay/k3_kl"] < row["mismatch/live/k3_kl"] for row in rows)
     bench = bench.replace("\n", " ")
-    assert f"Replay was lower in {lower} of {len(rows)}" in bench
+    lower_count_and_guide(rows, replay, live, bench)
     worst = max(rows, key=lambda row: row["mismatch/live/k3_kl"])
     rest = [row for row in rows if row is not worst]
     rest_replay, rest_live = mean(rest, "mismatch/replay/k3_kl"), mean(rest, "mismatch/live/k3_kl")
     assert (f"without that collection the ratio is {rest_replay / rest_live:.3f} ({rest_replay:.2e} against "
             f"{rest_live:.2e})".replace("e-0", "e-") in bench)
     assert f"at iteration {worst['iteration']} one" in bench
-    guide = (ROOT / "docs" / "megatron_rl.md").read_text().replace("\n  ", " ")
-    assert f"mean with replay {replay / live:.3f} of routing live over {len(rows)} collections ({replay:.2e} against " \
-           f"{live:.2e})".replace("e-0", "e-") in guide
 
 
 def test_the_train_rl_warm_start_figures_at_seq_len_1024_are_the_file():
     rows, replay, live, bench = warm_start_figures("megatron-rl-warm1024-metrics.jsonl")
-    lower = sum(row["mismatch/replay/k3_kl"] < row["mismatch/live/k3_kl"] for row in rows)
-    assert f"Replay was lower in {lower} of {len(rows)}" in bench
+    bench = bench.replace("\n", " ")
+    lower_count_and_guide(rows, replay, live, bench)
     assert f"the mean over 45 collections at `SEQ_LEN=384` (0.036) and missed over {len(rows)} at `SEQ_LEN=1024` " \
-           f"({replay / live:.3f})" in bench.replace("\n", " ")
-    guide = (ROOT / "docs" / "megatron_rl.md").read_text().replace("\n  ", " ")
-    assert f"mean with replay {replay / live:.3f} of routing live over {len(rows)} collections ({replay:.2e} against " \
-           f"{live:.2e})".replace("e-0", "e-") in guide
+           f"({replay / live:.3f})" in bench
