@@ -4,6 +4,8 @@ import json
 import statistics
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_METRICS = ROOT / "docs" / "r3-default-metrics.jsonl"
 
@@ -105,3 +107,24 @@ def test_the_train_rl_warm_start_figures_at_seq_len_1024_are_the_file():
     lower_count_and_guide(rows, replay, live, bench)
     assert f"the mean over 45 collections at `SEQ_LEN=384` (0.036) and missed over {len(rows)} at `SEQ_LEN=1024` " \
            f"({replay / live:.3f})" in bench
+
+
+def test_the_gpu_router_sweep_table_is_the_file():
+    """Every run of docs/r3-gpu-router-sweep.jsonl but the default table's two is a row of docs/launcher.md's
+    router table, by its GPUs, k3 means, ratio and agreement; the default table's runs are its files."""
+    runs = [json.loads(line) for line in (ROOT / "docs" / "r3-gpu-router-sweep.jsonl").read_text().splitlines()]
+    launcher = (ROOT / "docs" / "launcher.md").read_text().splitlines()
+    defaults = {1: "r3-default-gpu-metrics.jsonl", 2: "r3-default-gpu2-metrics.jsonl"}
+    for run in runs:
+        if run["run"] in ("sig/sig-np1", "sig/sig-np2"):
+            rows = [json.loads(line) for line in (ROOT / "docs" / defaults[run["gpus"]]).read_text().splitlines()]
+            assert mean(rows, "mismatch/replay/k3_kl") == pytest.approx(run["k3_replay"], rel=1e-12)
+            assert mean(rows, "mismatch/live/k3_kl") == pytest.approx(run["k3_live"], rel=1e-12)
+            continue
+        ratio = run["k3_live"] / run["k3_replay"]
+        row = (f"| {run['gpus']} | {sci(run['k3_replay'])} | {sci(run['k3_live'])} | {ratio:.0f}x | "
+               f"{run['routing_agreement']:.3f} |")
+        assert any(line.endswith(row) for line in launcher), row
+    beyond = [run for run in runs if run["frac_abs_gt_ln2_replay"] > 0]
+    assert [run["flags"] for run in beyond] == ["--init-method-std 0.2"]
+    assert f"under replay: {100 * beyond[0]['frac_abs_gt_ln2_replay']:.2f}% of the tokens" in "\n".join(launcher)

@@ -41,12 +41,15 @@ from megatron_r3.rl.trainer.training_stack import (
 )
 from megatron_r3.routing_replay import RoutingReplaySettings, add_routing_replay_args
 
-# The default model where the launcher runs on GPUs: a Qwen3-30B-A3B-like router (128 experts, top-8,
-# SwiGLU experts, fp32 routing) on small layers, at which Megatron's inference engine and the trainer
-# disagree on a visible share of routes (docs/launcher.md, "The default run"); on CPUs the small
-# router of the first runs, which keeps the CPU suite and a first CPU run short.
-GPU_MODEL = dict(num_experts=128, moe_router_topk=8, swiglu=True, moe_router_dtype="fp32")
-CPU_MODEL = dict(num_experts=8, moe_router_topk=2, swiglu=False, moe_router_dtype=None)
+# The default model where the launcher runs on GPUs: a DeepSeek-V3-like router (128 experts, top-8 by
+# sigmoid scores, SwiGLU experts, fp32 routing) on small layers, at which Megatron's inference engine and
+# the trainer disagree on about a quarter of the routes (docs/launcher.md, "Measured effect on GPUs";
+# Qwen3's softmax router is --moe-router-score-function softmax); on CPUs the small router of the first
+# runs, which keeps the CPU suite and a first CPU run short.
+GPU_MODEL = dict(num_experts=128, moe_router_topk=8, moe_router_score_function="sigmoid", swiglu=True,
+                 moe_router_dtype="fp32")
+CPU_MODEL = dict(num_experts=8, moe_router_topk=2, moe_router_score_function="softmax", swiglu=False,
+                 moe_router_dtype=None)
 
 DESCRIPTION = "RL training of a Megatron MoE (GPTModel or HybridModel) with rollout routing replay (R3)."
 
@@ -99,7 +102,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--moe-layer-freq", default=None,
                        help="every Nth layer is MoE (an int), or one 0/1 per layer, comma-separated (default 1: "
                             "every layer; a GPTModel's flag: --hybrid-layer-pattern places its MoE layers itself)")
-    model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    model.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None,
+                       help="the routers' scores of the top-k experts: sigmoid, normalised over the top-k "
+                            "(DeepSeek-V3's), or softmax over the top-k logits (Qwen3's). Default: "
+                            f"{GPU_MODEL['moe_router_score_function']} on GPUs, "
+                            f"{CPU_MODEL['moe_router_score_function']} on CPUs")
     model.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                        help="the routers' logits, scores and top-k in this precision (Megatron-LM's flag; "
                             "default: fp32 on GPUs, as Megatron-LM advises from 32 experts on; on CPUs the "

@@ -43,10 +43,12 @@ def test_dump_mode_without_a_global_batch_size_takes_microbatches_of_8(monkeypat
 
 
 @pytest.mark.parametrize("cuda, expected", [
-    (True, dict(num_experts=128, moe_router_topk=8, swiglu=True, moe_router_dtype="fp32")),
-    (False, dict(num_experts=8, moe_router_topk=2, swiglu=False, moe_router_dtype=None)),
+    (True, dict(num_experts=128, moe_router_topk=8, moe_router_score_function="sigmoid", swiglu=True,
+                moe_router_dtype="fp32")),
+    (False, dict(num_experts=8, moe_router_topk=2, moe_router_score_function="softmax", swiglu=False,
+                 moe_router_dtype=None)),
 ])
-def test_the_default_router_is_qwen3_like_on_gpus_and_small_on_cpus(monkeypatch, cuda, expected):
+def test_the_default_router_is_deepseek_v3_like_on_gpus_and_small_on_cpus(monkeypatch, cuda, expected):
     monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
     args = parse_args([])
     assert {name: getattr(args, name) for name in expected} == expected
@@ -54,5 +56,7 @@ def test_the_default_router_is_qwen3_like_on_gpus_and_small_on_cpus(monkeypatch,
 
 def test_flags_given_override_the_platform_defaults(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    args = parse_args(["--num-experts", "16", "--moe-router-topk", "2", "--no-swiglu", "--moe-router-dtype", "fp64"])
-    assert (args.num_experts, args.moe_router_topk, args.swiglu, args.moe_router_dtype) == (16, 2, False, "fp64")
+    args = parse_args(["--num-experts", "16", "--moe-router-topk", "2", "--no-swiglu", "--moe-router-dtype", "fp64",
+                       "--moe-router-score-function", "softmax"])
+    assert (args.num_experts, args.moe_router_topk, args.swiglu, args.moe_router_dtype,
+            args.moe_router_score_function) == (16, 2, False, "fp64", "softmax")
