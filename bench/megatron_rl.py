@@ -8,7 +8,9 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
 * once (``--k3``, the default) with ``--moe-enable-routing-replay --rl-routing-replay-metrics`` for ``--iters``
   iterations: every rollout collection logs the train/inference mismatch of the same rollouts
   with replay and routing live (``routing replay | iteration N | k3_replay ... | k3_live ...``),
-  so the two k3 means come from one run, side by side;
+  so the two k3 means come from one run, side by side; where it logs Megatron's timers
+  (``EXTRA_ARGS=--timing-log-level 1``), its two forward-only passes over the same bins each iteration, with
+  replay and routing live, paired by iteration (replay's cost in the trainer's forward within one run);
 * then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none),
   ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
   iterations after ``--skip`` (start-up, graph capture), replay's mean over live's; where the runs log
@@ -50,6 +52,9 @@ STEP_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteratio
 # One line of Megatron's timer report (megatron/core/timers.py): "    name .....: (min, max)" across ranks, in ms.
 TIMER = re.compile(r"^\s+(\S+) \.*: \(([\d.]+), ([\d.]+)\)\s*$")
 ROLLOUTS = "rl/rollout-collection"  # the RL loop's timer around a step's generation (megatron/rl/rl_utils.py)
+# The metrics run's two forward-only passes over the same bins (megatron/rl/rl_utils.py with the Megatron-LM series):
+# the old log-probs, replayed, and the pass routing live that gives k3 without replay.
+REPLAY_FORWARD, LIVE_FORWARD = "rl/compute-logprobs", "rl/compute-live-logprobs"
 # One step of Megatron's dynamic engine (``--inference-logging-step-interval 1``: dynamic_engine.py's console
 # line, colored where the step is decode-only): the rank, the step's time in ms, its kind, the active requests.
 ENGINE_STEP = re.compile(r"\* rank (\d+) \| step \d+ \| \S+ \.\.\. time: ([\d.]+) ms "
@@ -96,15 +101,42 @@ def lines_after_iterations(log: str):
             yield iteration, line
 
 
-def phase_times(log: str, skip: int) -> dict[str, list[float]]:
+def phase_times_by_iteration(log: str, skip: int) -> dict[str, dict[int, float]]:
     """Megatron's timers (``--timing-log-level 1``: forward-backward, the RL loop's phases) of the iterations
-    after ``skip``: the slowest rank's ms per phase, from the report that follows each iteration's line."""
+    after ``skip``: the slowest rank's ms per phase and iteration, from the report that follows each iteration's
+    line."""
     phases = {}
     for iteration, line in lines_after_iterations(log):
         timer = TIMER.match(line)
         if timer and iteration > skip:
-            phases.setdefault(timer.group(1), []).append(float(timer.group(3)))
+            phases.setdefault(timer.group(1), {})[iteration] = float(timer.group(3))
     return phases
+
+
+def phase_times(log: str, skip: int) -> dict[str, list[float]]:
+    """:func:`phase_times_by_iteration`'s times per phase, in iteration order."""
+    return {name: list(times.values()) for name, times in phase_times_by_iteration(log, skip).items()}
+
+
+def paired_forward_rows(log: str, skip: int) -> tuple[list[str], list[str]]:
+    """Where a metrics run logged Megatron's timers: its two forward-only passes over the same packed bins in each
+    iteration, the old log-probs with replay (``rl/compute-logprobs``, which also gathers the route metrics) and
+    the metrics pass routing live (``rl/compute-live-logprobs``), paired by iteration: replay's cost in the
+    trainer's forward within one run, whatever the rollouts. The table row and a note."""
+    phases = phase_times_by_iteration(log, skip)
+    replay, live = phases.get(REPLAY_FORWARD, {}), phases.get(LIVE_FORWARD, {})
+    iterations = sorted(set(replay) & set(live))
+    if not iterations:
+        return [], []
+    replay_ms = statistics.fmean(replay[i] for i in iterations)
+    live_ms = statistics.fmean(live[i] for i in iterations)
+    ratios = [replay[i] / live[i] for i in iterations if live[i] > 0]
+    row = (f"| forward-only pass over the same bins, ms (`{REPLAY_FORWARD}` with replay and `{LIVE_FORWARD}` routing "
+           f"live, {len(iterations)} iterations) | {replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | |")
+    note = (f"Per iteration, the forward-only pass with replay over the same pass routing live (same bins, same "
+            f"weights, one after the other): median {statistics.median(ratios):.3f}, "
+            f"{min(ratios):.3f}-{max(ratios):.3f}, replay slower in {sum(r > 1 for r in ratios)} of {len(ratios)}.")
+    return [row], [note]
 
 
 def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
@@ -259,6 +291,9 @@ def from_log(log_path: Path, out: Path, skip: int, overwrite: bool) -> None:
     log = log_path.read_text(errors="replace")
     table, notes = list(TABLE_HEAD), []
     records = k3_summary(replay_metrics(log), table, notes)
+    rows, forward_notes = paired_forward_rows(log, skip)
+    table += rows
+    notes += forward_notes
     times = step_times(log, skip)
     if times:
         notes.append(f"Elapsed time per iteration of this metrics run (replay + the live metrics pass), "
@@ -333,6 +368,9 @@ def main(argv=None):
                                  tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
         records = k3_summary(replay_metrics(log), table, notes)
+        rows, forward_notes = paired_forward_rows(log, args.skip)
+        table += rows
+        notes += forward_notes
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):

@@ -444,3 +444,35 @@ def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, mon
     assert command.startswith('NPROC=1 ITERS=3 SEQ_LEN=384 REPLAY=0 METRICS=0 EXTRA_ARGS="--timing-log-level 1" ')
     assert "train_rl.py" in log and log.rstrip().endswith("--timing-log-level 1")
     assert "--moe-enable-routing-replay" not in log
+
+
+def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
+    from bench.megatron_rl import main as bench_main
+
+    step = " [2026-11-29 10:00:00.000000] iteration {:8d}/{:8d} | elapsed time per iteration (ms): {:.1f} |"
+    base = {"agreement": 0.99, "agreement_moved_one_token": 0.02, "routed_fraction": 1.0, "rows_without_routes": 0.0,
+            "routes_used_differ": 0.0, "abs_log_ratio_replay": 1e-3, "abs_log_ratio_live": 2e-3, "k3_replay": 1e-5,
+            "k3_live": 2e-5, "outside_2x_replay": 0.0, "outside_2x_live": 0.0, "outside_5x_replay": 0.0,
+            "outside_5x_live": 0.0}
+    # (replay pass ms, live pass ms) per iteration; iteration 3 logged no live pass: it pairs with nothing
+    passes = {1: (900.0, 500.0), 2: (210.0, 200.0), 3: (230.0, None), 4: (190.0, 200.0), 5: (330.0, 300.0)}
+    lines = []
+    for it, (replay_ms, live_ms) in passes.items():
+        lines += ["INFO:megatron.rl.rl_utils:" + rr.format_metrics(it, base), step.format(it, 5, 12000.0),
+                  "INFO:megatron.core.timers:(min, max) time across ranks (ms):",
+                  f"    {'rl/compute-logprobs '.ljust(48, '.')}: ({replay_ms - 5:.2f}, {replay_ms:.2f})"]
+        if live_ms is not None:
+            lines.append(f"    {'rl/compute-live-logprobs '.ljust(48, '.')}: ({live_ms - 5:.2f}, {live_ms:.2f})")
+    log = tmp_path / "metrics.log"
+    log.write_text("\n".join(lines))
+    out = tmp_path / "k3.md"
+    bench_main(["--from-log", str(log), "--skip", "1", "--out", str(out)])
+    report = out.read_text()
+    # iterations 2, 4 and 5 (1 skipped, 3 unpaired), each rank's slowest: ratios 1.05, 0.95, 1.10
+    assert ("| forward-only pass over the same bins, ms (`rl/compute-logprobs` with replay and "
+            "`rl/compute-live-logprobs` routing live, 3 iterations) | 243.3 | 233.3 | 1.043 | |") in report
+    assert "median 1.050, 0.950-1.100, replay slower in 2 of 3." in report
+    # a metrics run without the timers: no such row
+    log.write_text("\n".join(line for line in lines if "rl/compute" not in line))
+    bench_main(["--from-log", str(log), "--skip", "1", "--out", str(out), "--overwrite"])
+    assert "forward-only pass" not in out.read_text()
