@@ -16,6 +16,9 @@ tokens per second (completion tokens, the stop token included, over the wall tim
 range over the rounds, and the ratio to the built-in engine. An engine that cannot run here
 is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
+``--profile-host N`` adds, per engine, the N functions the host spends most time in during one more
+``generate`` (cProfile): where a host-bound engine's time goes.
+
 ``--prompt-tokens P --new-tokens N --requests R`` time a rollout-sized shape instead of the task's:
 ``R`` prompts of ``P`` random task symbols, each completed with exactly ``N`` tokens (no stop token:
 Megatron's ``termination_id=-1``, its ``ignore_eos``), in one row of ``R * (P + N)`` tokens for the
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bench import publish_report
+from bench import host_profile, publish_report
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -64,11 +67,16 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
                         help="prompts of this many random task symbols instead of the task's (with --new-tokens)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates, no early stop")
     parser.add_argument("--requests", type=int, default=64, help="requests with --prompt-tokens (default 64)")
+    parser.add_argument("--profile-host", type=int, default=0, metavar="N",
+                        help="after the timed rounds, one more generate per engine under cProfile: the report "
+                             "lists the N functions the host spends most time in (their own time)")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     if (args.prompt_tokens is None) != (args.new_tokens is None):
         parser.error("--prompt-tokens and --new-tokens go together")
+    if args.profile_host < 0:
+        parser.error(f"--profile-host {args.profile_host}: a count of functions, 0 or more")
     return args, argv[split + 1:]
 
 
@@ -128,6 +136,11 @@ def main(argv=None) -> None:
             if round_ >= args.warmup:
                 rates[name].append(tokens / seconds)
     report = render(args, launcher_flags, run_args, device, rates, graphed, skipped, len(prompts))
+    iteration = args.warmup + args.rounds + 1
+    for name, engine in engines.items() if args.profile_host else ():
+        engine.weights.advance()
+        profile = host_profile(lambda: generate_once(engine, prompts, iteration, device), args.profile_host)
+        report += f"\nHost profile of one `{name}` generate (cProfile, by own time):\n\n```\n{profile.strip()}\n```\n"
     publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():

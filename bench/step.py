@@ -71,7 +71,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from bench import publish_report
+from bench import host_profile, publish_report
 from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
@@ -358,19 +358,6 @@ def bf16_peak(device) -> tuple[float, float]:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return datasheet, 2 * n ** 3 / statistics.median(times)
-
-
-def host_profile(fn, top: int) -> str:
-    """The ``top`` functions by their own host time over one call of fn (cProfile), as text."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.runcall(fn)
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
 
 
 def kernel_times(fn, on_gpu: bool) -> list[tuple[str, int, float]]:
