@@ -53,8 +53,9 @@ STEP_TIME = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteratio
 TIMER = re.compile(r"^\s+(\S+) \.*: \(([\d.]+), ([\d.]+)\)\s*$")
 ROLLOUTS = "rl/rollout-collection"  # the RL loop's timer around a step's generation (megatron/rl/rl_utils.py)
 # The metrics run's two forward-only passes over the same bins (megatron/rl/rl_utils.py with the Megatron-LM series):
-# the old log-probs, replayed, and the pass routing live that gives k3 without replay.
-REPLAY_FORWARD, LIVE_FORWARD = "rl/compute-logprobs", "rl/compute-live-logprobs"
+# the old log-probs, replayed, and the pass routing live that gives k3 without replay; both inside
+# rl/compute-logprobs, which also times the reference model's pass.
+REPLAY_FORWARD, LIVE_FORWARD = "rl/compute-old-logprobs", "rl/compute-live-logprobs"
 # One step of Megatron's dynamic engine (``--inference-logging-step-interval 1``: dynamic_engine.py's console
 # line, colored where the step is decode-only): the rank, the step's time in ms, its kind, the active requests.
 ENGINE_STEP = re.compile(r"\* rank (\d+) \| step \d+ \| \S+ \.\.\. time: ([\d.]+) ms "
@@ -104,7 +105,7 @@ def lines_after_iterations(log: str):
 def phase_times_by_iteration(log: str, skip: int) -> dict[str, dict[int, float]]:
     """Megatron's timers (``--timing-log-level 1``: forward-backward, the RL loop's phases) of the iterations
     after ``skip``: the slowest rank's ms per phase and iteration, from the report that follows each iteration's
-    line."""
+    line (one report an iteration; were a timer in two, its last value would count)."""
     phases = {}
     for iteration, line in lines_after_iterations(log):
         timer = TIMER.match(line)
@@ -120,7 +121,7 @@ def phase_times(log: str, skip: int) -> dict[str, list[float]]:
 
 def paired_forward_rows(log: str, skip: int) -> tuple[list[str], list[str]]:
     """Where a metrics run logged Megatron's timers: its two forward-only passes over the same packed bins in each
-    iteration, the old log-probs with replay (``rl/compute-logprobs``, which also gathers the route metrics) and
+    iteration, the old log-probs with replay (``rl/compute-old-logprobs``, which also gathers the route metrics) and
     the metrics pass routing live (``rl/compute-live-logprobs``), paired by iteration: replay's cost in the
     trainer's forward within one run, whatever the rollouts. The table row and a note."""
     phases = phase_times_by_iteration(log, skip)
@@ -285,15 +286,22 @@ def k3_summary(rows: list[dict], table: list[str], notes: list[str]) -> list[dic
     return plot_rows(rows)
 
 
+def k3_part(log: str, skip: int, table: list[str], notes: list[str]) -> list[dict]:
+    """A metrics run's part of the report: the k3 row and notes, and where it logged Megatron's timers its paired
+    forward passes; returns the collections as tools/plot_metrics.py's records."""
+    records = k3_summary(replay_metrics(log), table, notes)
+    rows, forward_notes = paired_forward_rows(log, skip)
+    table += rows
+    notes += forward_notes
+    return records
+
+
 def from_log(log_path: Path, out: Path, skip: int, overwrite: bool) -> None:
     """The k3 part of the report from a metrics run's log, made earlier."""
     check_outputs(out, True, overwrite, inputs=[log_path])
     log = log_path.read_text(errors="replace")
     table, notes = list(TABLE_HEAD), []
-    records = k3_summary(replay_metrics(log), table, notes)
-    rows, forward_notes = paired_forward_rows(log, skip)
-    table += rows
-    notes += forward_notes
+    records = k3_part(log, skip, table, notes)
     times = step_times(log, skip)
     if times:
         notes.append(f"Elapsed time per iteration of this metrics run (replay + the live metrics pass), "
@@ -367,10 +375,7 @@ def main(argv=None):
         command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
                                  tag="metrics", init=args.init)
         report.append(f"    {command}    # {wall:.0f} s")
-        records = k3_summary(replay_metrics(log), table, notes)
-        rows, forward_notes = paired_forward_rows(log, args.skip)
-        table += rows
-        notes += forward_notes
+        records = k3_part(log, args.skip, table, notes)
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
         for replay in (True, False):

@@ -6,7 +6,7 @@
 
 The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher, grouped
 experts, bf16; by default 8 layers of a Qwen3-30B-A3B-like shape: hidden 2048, 32 heads in 4
-query groups, 128 experts top-8 with SwiGLU FFNs of 768, and TransformerEngine's layers where
+query groups, 128 experts top-8 by softmax with SwiGLU FFNs of 768, and TransformerEngine's layers where
 TE is installed, ``--transformer-impl``; or a HybridModel of ``--hybrid-layer-pattern``) runs the trainer's update pass (forward and backward of
 ``--microbatches`` packed THD rows through Megatron's schedule, the clipped policy-gradient
 loss) on the same samples, prepared by the loop's microbatch pipeline
@@ -120,6 +120,9 @@ def parse_args(argv=None):
     parser.add_argument("--num-query-groups", type=int, default=4)
     parser.add_argument("--num-experts", type=int, default=128)
     parser.add_argument("--moe-router-topk", type=int, default=8)
+    parser.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax",
+                        help="the routers' score function (default softmax, Qwen3's; the launcher's GPU default "
+                             "is sigmoid)")
     parser.add_argument("--moe-ffn-hidden-size", type=int, default=768)
     parser.add_argument("--no-swiglu", dest="swiglu", action="store_false", help="GeLU experts instead of SwiGLU")
     parser.add_argument("--seq-length", type=int, default=8192, help="length of a packed row")
@@ -178,6 +181,7 @@ def build_model(args, device):
         "--ffn-hidden-size", str(4 * args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
         "--num-query-groups", str(args.num_query_groups),
         "--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
+        "--moe-router-score-function", args.moe_router_score_function,
         "--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size), "--vocab-size", str(args.vocab_size),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--expert-model-parallel-size", str(args.ep), "--bf16", "--moe-enable-routing-replay",

@@ -111,10 +111,20 @@ def test_the_train_rl_warm_start_figures_at_seq_len_1024_are_the_file():
 
 def test_the_gpu_router_sweep_table_is_the_file():
     """Every run of docs/r3-gpu-router-sweep.jsonl but the default table's two is a row of docs/launcher.md's
-    router table, by its GPUs, k3 means, ratio and agreement; the default table's runs are its files."""
+    router table, by its GPUs, k3 means, ratio and agreement, under a label that names its router and flags
+    ("the same" repeats the row above's); the default table's runs are its files; docs/benchmarks.md's rerun
+    table gives the same runs' walls and figures."""
     runs = [json.loads(line) for line in (ROOT / "docs" / "r3-gpu-router-sweep.jsonl").read_text().splitlines()]
     launcher = (ROOT / "docs" / "launcher.md").read_text().splitlines()
+    table = launcher[launcher.index("| router and shape | GPUs | k3 replay | k3 live | live / replay | agreement |"):]
+    table = table[2:table.index("")]
     defaults = {1: "r3-default-gpu-metrics.jsonl", 2: "r3-default-gpu2-metrics.jsonl"}
+    labels, label = {}, ""
+    for line in table:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        label = label if cells[0].startswith("the same") else cells[0]
+        labels[" | ".join(cells[1:])] = label + cells[0].removeprefix("the same")
+    assert len(labels) == len(runs) - 2
     for run in runs:
         if run["run"] in ("sig/sig-np1", "sig/sig-np2"):
             rows = [json.loads(line) for line in (ROOT / "docs" / defaults[run["gpus"]]).read_text().splitlines()]
@@ -122,12 +132,22 @@ def test_the_gpu_router_sweep_table_is_the_file():
             assert mean(rows, "mismatch/live/k3_kl") == pytest.approx(run["k3_live"], rel=1e-12)
             continue
         ratio = run["k3_live"] / run["k3_replay"]
-        row = (f"| {run['gpus']} | {sci(run['k3_replay'])} | {sci(run['k3_live'])} | {ratio:.0f}x | "
-               f"{run['routing_agreement']:.3f} |")
-        assert any(line.endswith(row) for line in launcher), row
+        figures = (f"{run['gpus']} | {sci(run['k3_replay'])} | {sci(run['k3_live'])} | {ratio:.0f}x | "
+                   f"{run['routing_agreement']:.3f}")
+        label = labels.pop(figures)
+        assert label.startswith(run["router"])
+        for flag in run["flags"].replace("--moe-router-score-function sigmoid", "").split("--")[1:]:
+            assert f"--{flag.strip()}" in label, (label, run["flags"])
     beyond = [run for run in runs if run["frac_abs_gt_ln2_replay"] > 0]
     assert [run["flags"] for run in beyond] == ["--init-method-std 0.2"]
     assert f"under replay: {100 * beyond[0]['frac_abs_gt_ln2_replay']:.2f}% of the tokens" in "\n".join(launcher)
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    for name in ("sig/sig-np1", "sig/sig-np2", "sweep42/base", "sig/base-np2"):
+        run = next(run for run in runs if run["run"] == name)
+        ratio = f"{run['k3_live'] / run['k3_replay']:.0f}x"
+        ratio = f"**{ratio}**" if run["router"] == "sigmoid" else ratio
+        assert (f"| {run['wall_s']} s | {sci(run['k3_replay'])} | {sci(run['k3_live'])} | {ratio} | "
+                f"{run['routing_agreement']:.3f} |") in bench, name
 
 
 def test_the_train_rl_warm_start_figures_on_one_gpu_over_50_are_the_file():

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(tmp_path, *flags):
+def run_bench(*flags):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -24,7 +24,7 @@ def run_bench(tmp_path, *flags):
 
 def test_a_cpu_run_reports_the_host_profile_of_one_more_generate_per_engine(tmp_path):
     out = tmp_path / "generation.md"
-    run = run_bench(tmp_path, "--profile-host", "3", "--out", str(out))
+    run = run_bench("--profile-host", "3", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     report = out.read_text()
     assert report.count("Host profile of one ") == 1  # the built-in engine's; Megatron's is not run on a CPU
@@ -39,7 +39,7 @@ def test_a_cpu_run_reports_the_host_profile_of_one_more_generate_per_engine(tmp_
 
 def test_without_the_flag_there_is_no_profile_and_a_negative_count_is_refused(tmp_path):
     out = tmp_path / "generation.md"
-    assert run_bench(tmp_path, "--out", str(out)).returncode == 0
+    assert run_bench("--out", str(out)).returncode == 0
     assert "Host profile" not in out.read_text() and "| local | no |" in out.read_text()
-    refused = run_bench(tmp_path, "--profile-host", "-1")
+    refused = run_bench("--profile-host", "-1")
     assert refused.returncode == 2 and "--profile-host -1: a count of functions, 0 or more" in refused.stderr

@@ -458,9 +458,13 @@ def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_i
     passes = {1: (900.0, 500.0), 2: (210.0, 200.0), 3: (230.0, None), 4: (190.0, 200.0), 5: (330.0, 300.0)}
     lines = []
     for it, (replay_ms, live_ms) in passes.items():
+        # rl_utils.py's timers: rl/compute-logprobs holds the old (replayed), the live and the reference passes
+        outer = replay_ms + (live_ms or 0.0) + 400.0
         lines += ["INFO:megatron.rl.rl_utils:" + rr.format_metrics(it, base), step.format(it, 5, 12000.0),
                   "INFO:megatron.core.timers:(min, max) time across ranks (ms):",
-                  f"    {'rl/compute-logprobs '.ljust(48, '.')}: ({replay_ms - 5:.2f}, {replay_ms:.2f})"]
+                  f"    {'rl/compute-logprobs '.ljust(48, '.')}: ({outer - 5:.2f}, {outer:.2f})",
+                  f"    {'rl/compute-old-logprobs '.ljust(48, '.')}: ({replay_ms - 5:.2f}, {replay_ms:.2f})",
+                  f"    {'rl/compute-ref-logprobs '.ljust(48, '.')}: (395.00, 400.00)"]
         if live_ms is not None:
             lines.append(f"    {'rl/compute-live-logprobs '.ljust(48, '.')}: ({live_ms - 5:.2f}, {live_ms:.2f})")
     log = tmp_path / "metrics.log"
@@ -469,7 +473,7 @@ def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_i
     bench_main(["--from-log", str(log), "--skip", "1", "--out", str(out)])
     report = out.read_text()
     # iterations 2, 4 and 5 (1 skipped, 3 unpaired), each rank's slowest: ratios 1.05, 0.95, 1.10
-    assert ("| forward-only pass over the same bins, ms (`rl/compute-logprobs` with replay and "
+    assert ("| forward-only pass over the same bins, ms (`rl/compute-old-logprobs` with replay and "
             "`rl/compute-live-logprobs` routing live, 3 iterations) | 243.3 | 233.3 | 1.043 | |") in report
     assert "median 1.050, 0.950-1.100, replay slower in 2 of 3." in report
     # a metrics run without the timers: no such row
