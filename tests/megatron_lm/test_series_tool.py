@@ -1,5 +1,6 @@
 """tools/megatron_lm_series.py on this repository's series (no Megatron-LM checkout needed)."""
 
+import re
 import sys
 
 import pytest
@@ -16,6 +17,20 @@ def test_the_series_has_headers_and_touches_the_rl_loop_and_the_engine_ledger():
             "megatron/core/inference/inference_request.py"} <= set(touched)
     for path in files:
         assert "Link: https://github.com/NVIDIA/Megatron-LM/issues/4168" in path.read_text()
+
+
+def test_every_timer_the_series_adds_is_one_megatron_logs():
+    # Megatron-LM logs only the RL timers rl_profiling.RL_LOGGABLE_TIMER_NAMES lists (training.py's
+    # timers_to_log): a pass timed under a new name and not listed there is timed and never logged.
+    diff = "".join(path.read_text() for path in tool.series_files())
+    added = [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    kept = [line for line in diff.splitlines() if not line.startswith("+")]
+    timed = set(re.findall(r'nvtx_range\("([^"]+)", time=True', "\n".join(added)))
+    new = {name for name in timed if not any(f'"{name}"' in line for line in kept)}
+    assert "rl/compute-live-logprobs" in new
+    profiling = diff.split("diff --git a/megatron/rl/rl_profiling.py")[1].split("diff --git")[0]
+    for name in new:
+        assert f'+    "{name}",' in profiling, f"{name} is timed and not in RL_LOGGABLE_TIMER_NAMES"
 
 
 def test_extract_refuses_a_file_the_series_only_changes(tmp_path):
