@@ -28,7 +28,7 @@ from megatron_r3.rl.checkpoint.resume_flags import take_checkpoint_flags
 from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, RecomputeSettings
 from megatron_r3.rl.profiling.profiler import ProfilingSettings, add_profiling_args, profiling_problems
 from megatron_r3.rl.rollout.engine import SamplingParams
-from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings
+from megatron_r3.rl.rollout.engine_choice import ENGINE_GRAPH_SCOPES, RolloutEngineSettings
 from megatron_r3.rl.rollout.sources import RolloutSettings
 from megatron_r3.rl.rollout.tasks import EOS, TRANSFORMS, SymbolTask
 from megatron_r3.rl.run_settings import CheckpointSettings, LoggingSettings, RunSettings
@@ -254,6 +254,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="run the rollout engine's generation and recording passes eagerly; by default, where a "
                          "model replica is one GPU whose MoE layers keep their token counts on the device, they "
                          "replay CUDA graphs captured on the first passes (each engine its own)")
+    rl.add_argument("--inference-cuda-graph-scope", choices=ENGINE_GRAPH_SCOPES, default="layer",
+                    help="what one of Megatron's engine's CUDA graphs holds (Megatron-LM's flag): each transformer "
+                         "layer's own (layer, the default: a decode step replays one graph per layer, each after "
+                         "its manager checks its arguments) or the whole transformer block (block: one replay a "
+                         "step, captured when the engine starts)")
     rl.add_argument("--no-trainer-cuda-graphs", dest="trainer_cuda_graphs", action="store_false",
                     help="run the trainer's passes eagerly; by default, where a model replica is one GPU and its "
                          "experts are grouped, the forward-only passes that route live (--r3-compare's when "
@@ -499,6 +504,7 @@ def rollout_engine_settings(args: argparse.Namespace) -> RolloutEngineSettings:
         sampling=SamplingParams(args.rollout_temperature, args.max_new_tokens, EOS, args.seed),
         staleness=args.rollout_staleness,
         cuda_graphs=args.rollout_cuda_graphs,
+        graph_scope=args.inference_cuda_graph_scope,
     )
 
 

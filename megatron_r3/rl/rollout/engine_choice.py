@@ -10,7 +10,9 @@ model replica is one GPU whose MoE layers keep their token counts on the device
 (:func:`~megatron_r3.rl.model.forward_graphs.graphs_apply`). Megatron's engine captures its
 own (its model built with ``cuda_graph_impl="local"``), whose graph managers need Megatron's
 RNG tracker graph-safe: :func:`graph_safe_rng_tracker` tells :func:`~megatron_r3.rl.initialize.initialize`
-to seed it so.
+to seed it so. ``--inference-cuda-graph-scope`` picks what one of them holds: each layer's own (``layer``:
+captured on the engine's first steps) or the whole transformer block (``block``: Megatron's
+``InferenceCudaGraphScope.block``, captured when the engine starts; one replay a decode step).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_r3.rl.rollout.engine import RolloutEngine, SamplingParams
 from megatron_r3.rl.rollout.megatron_engine import MegatronRolloutEngine, flash_attention_name, megatron_engine_problem
 
 ROLLOUT_ENGINES = ("megatron", "local")
+ENGINE_GRAPH_SCOPES = ("layer", "block")
 # Megatron's engine's graphs: token counts log-spaced up to its largest step (InferenceConfig.num_cuda_graphs).
 MEGATRON_ENGINE_CUDA_GRAPHS = 8
 
@@ -43,16 +46,21 @@ class RolloutEngineSettings:
         sampling: How it samples.
         staleness: Optimizer steps its weights trail the policy's.
         cuda_graphs: The engine's passes replay CUDA graphs where they apply (module docstring).
+        graph_scope: What one of Megatron's engine's graphs holds: ``"layer"`` or ``"block"`` (module docstring).
     """
 
     requested: Optional[str]
     sampling: SamplingParams
     staleness: int = 0
     cuda_graphs: bool = True
+    graph_scope: str = "layer"
 
     def __post_init__(self):
         if self.requested not in (None, *ROLLOUT_ENGINES):
             raise ValueError(f"--rollout-engine must be one of {ROLLOUT_ENGINES}, got {self.requested!r}")
+        if self.graph_scope not in ENGINE_GRAPH_SCOPES:
+            raise ValueError(f"--inference-cuda-graph-scope must be one of {ENGINE_GRAPH_SCOPES}, "
+                             f"got {self.graph_scope!r}")
 
 
 def resolve_rollout_engine(requested: Optional[str], model: ModelSettings, device: torch.device) -> str:
@@ -93,8 +101,7 @@ def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, 
     # graph managers is built only then, as they capture what they run.
     if (settings.cuda_graphs and tensor_parallel.get_cuda_rng_tracker().use_cudagraphable_rng
             and graphs_apply(build_model(model, config, device))):
-        config = copy.copy(config)
-        config.cuda_graph_impl = "local"
+        config = graphed_engine_config(config, settings.graph_scope)
         num_cuda_graphs = MEGATRON_ENGINE_CUDA_GRAPHS
     else:
         num_cuda_graphs = None
@@ -104,11 +111,26 @@ def build_rollout_engine(settings: RolloutEngineSettings, model: ModelSettings, 
                                  num_cuda_graphs=num_cuda_graphs)
 
 
+def graphed_engine_config(config, graph_scope: str):
+    """A copy of ``config`` whose model Megatron's engine runs with its own CUDA graphs, each holding what
+    ``graph_scope`` says. ``"layer"`` leaves the inference scope as the config made it without graphs, so each
+    layer's graph manager captures on the engine's first steps; ``"block"`` makes the transformer block own them
+    (Megatron's ``InferenceCudaGraphScope.block``), which the engine captures when it starts."""
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+    config = copy.copy(config)
+    config.cuda_graph_impl = "local"
+    if graph_scope == "block":
+        config.inference_cuda_graph_scope = InferenceCudaGraphScope.block
+    return config
+
+
 def engine_summary(engine: Union[RolloutEngine, MegatronRolloutEngine], trainer_bf16: bool) -> str:
     """One start-up line: which engine generates the rollouts, and what its log-probs can differ from the
     trainer's by (the built-in engine runs the trainer's own layers and kernels)."""
     if isinstance(engine, MegatronRolloutEngine):
-        graphs = f"{engine.num_cuda_graphs} CUDA graphs" if engine.num_cuda_graphs else "eager steps"
+        graphs = (f"{engine.num_cuda_graphs} CUDA graphs {engine.graph_owner}" if engine.num_cuda_graphs
+                  else "eager steps")
         return (f" rollouts: Megatron's DynamicInferenceEngine (paged KV cache, {flash_attention_name()}, batched "
                 f"decode, {graphs}), an inference engine's kernels against the trainer's")
     graphs = ", CUDA graphs" if engine.graphs is not None and engine.graphs.enabled else ""

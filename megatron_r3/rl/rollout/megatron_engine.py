@@ -273,6 +273,14 @@ class MegatronRolloutEngine:
             self.engine = DynamicInferenceEngine(controller, context)
         InferenceMode.unset_active()  # set by the engine for as long as it lives; the trainer runs without
 
+    @property
+    def graph_owner(self) -> str:
+        """What holds the engine's CUDA graphs, in words: each layer, or the whole transformer block."""
+        from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+        block = self.chunks[0].config.inference_cuda_graph_scope == InferenceCudaGraphScope.block
+        return "of the whole transformer block" if block else "per layer"
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[np.ndarray], iteration: int) -> list[RolloutSample]:
         """Completes this rank's ``prompts``; one sample per prompt, in order (as ``RolloutEngine.generate``).

@@ -15,8 +15,8 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.route_checks import RoutingValidationError
 from megatron_r3.rl.rollout import megatron_engine
-from megatron_r3.rl.arguments import model_settings, parse_args
-from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings
+from megatron_r3.rl.arguments import model_settings, parse_args, rollout_engine_settings
+from megatron_r3.rl.model.factory import ModelSettings, ParallelSettings, transformer_config
 from megatron_r3.rl.rollout.megatron_engine import (
     MegatronRolloutEngine,
     flash_attention_problem,
@@ -25,7 +25,12 @@ from megatron_r3.rl.rollout.megatron_engine import (
     sample_from_request,
 )
 from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
-from megatron_r3.rl.rollout.engine_choice import RolloutEngineSettings, graph_safe_rng_tracker, resolve_rollout_engine
+from megatron_r3.rl.rollout.engine_choice import (
+    RolloutEngineSettings,
+    graph_safe_rng_tracker,
+    graphed_engine_config,
+    resolve_rollout_engine,
+)
 from megatron_r3.routing_replay import moe_routing_for_chunk
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
@@ -115,6 +120,33 @@ def test_the_rng_tracker_is_graph_safe_where_megatrons_engine_captures_graphs(mo
     assert not graph_safe_rng_tracker(settings if requested != "megatron" else None, DEFAULT_MODEL,
                                       torch.device("cpu"))
     assert not graph_safe_rng_tracker(None, DEFAULT_MODEL, torch.device("cuda"))  # rollouts from a dump
+
+
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_the_graph_scope_flag_sets_what_megatrons_engine_captures(scope):
+    """--inference-cuda-graph-scope block makes the transformer block own the engine's graphs (Megatron's
+    InferenceCudaGraphScope.block); layer, the default, leaves the scope of the config built without graphs,
+    under which each layer's graph manager captures on the engine's first steps. The config it was copied
+    from keeps no graphs (the policy and the snapshots are built from it)."""
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+    settings = rollout_engine_settings(parse_args(["--inference-cuda-graph-scope", scope]))
+    assert settings.graph_scope == scope
+    config = transformer_config(DEFAULT_MODEL, torch.device("cpu"), rollout_engine=True)
+    graphed = graphed_engine_config(config, settings.graph_scope)
+    assert graphed.cuda_graph_impl == "local" and config.cuda_graph_impl == "none"
+    expected = InferenceCudaGraphScope.block if scope == "block" else config.inference_cuda_graph_scope
+    assert graphed.inference_cuda_graph_scope == expected != InferenceCudaGraphScope.layer
+    engine = object.__new__(MegatronRolloutEngine)
+    engine.chunks = [type("Chunk", (), {"config": graphed})()]
+    assert engine.graph_owner == ("of the whole transformer block" if scope == "block" else "per layer")
+
+
+def test_an_unknown_graph_scope_is_refused_naming_the_flag():
+    assert parse_args([]).inference_cuda_graph_scope == "layer"
+    with pytest.raises(ValueError, match=r"--inference-cuda-graph-scope must be one of \('layer', 'block'\), "
+                                         r"got 'none'"):
+        RolloutEngineSettings(None, SamplingParams(1.0, 4, stop_token=0, seed=1), graph_scope="none")
 
 
 def _request(prompt, generated, logprobs, routing, status=Status.COMPLETED):
@@ -273,8 +305,9 @@ def test_the_loop_with_megatrons_engine_replays_the_routes_it_records():
 
 
 def _graphs_worker(argv):
-    """Megatron's engine built by the launcher with its CUDA graphs and without, on the same policy: one
-    iteration's samples of each, and whether the graphed one's model has Megatron's graph managers."""
+    """Megatron's engine built by the launcher with its CUDA graphs (of the scope ``argv`` asks) and without, on
+    the same policy: one iteration's samples of each, and whether the graphed one's model has Megatron's graph
+    managers, and which module owns them."""
     from megatron.core import parallel_state
 
     from megatron_r3.dataplane.device.microbatches import RowLayout
@@ -301,25 +334,31 @@ def _graphs_worker(argv):
             engine = build_rollout_engine(engine_settings, model, device, policy, RoutingSpec.from_config(config),
                                           rows, len(prompts))
             graphed[cuda_graphs] = engine.chunks[0].config.cuda_graph_impl == "local"
+            if cuda_graphs:
+                owner = engine.graph_owner
             rounds = []
             for iteration in (1, 2):  # the first captures the graphs, the second replays them
                 engine.weights.advance()
                 rounds.append([(s.token_ids.tolist(), s.logprobs.tolist(), s.routes.ids.tolist())
                                for s in engine.generate(prompts, iteration)])
             samples[cuda_graphs] = rounds
-        return {"graphed": graphed, "samples": samples}
+        return {"graphed": graphed, "samples": samples, "owner": owner}
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.gpu
 @needs_megatron_engine
-def test_megatrons_engine_with_its_cuda_graphs_draws_what_it_draws_eagerly():
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_megatrons_engine_with_its_cuda_graphs_draws_what_it_draws_eagerly(scope):
     """Where the MoE layers keep their token counts on the device (torch's grouped experts), Megatron's
-    engine captures its CUDA graphs, and they draw the same tokens, log-probs and routes as its eager steps."""
-    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", "--hidden-size", "64", "--moe-grouped-gemm-impl", "torch"]
+    engine captures its CUDA graphs, per layer or of the whole block, and they draw the same tokens, log-probs
+    and routes (recorded inside the graphs) as its eager steps."""
+    argv = EMBEDDED_FLAGS + ["--moe-enable-routing-replay", "--hidden-size", "64", "--moe-grouped-gemm-impl", "torch",
+                             "--inference-cuda-graph-scope", scope]
     ((result),) = run_workers(_graphs_worker, 1, argv, backend="nccl", timeout=300)
     assert result["graphed"] == {True: True, False: False}
+    assert result["owner"] == ("of the whole transformer block" if scope == "block" else "per layer")
     assert result["samples"][True] == result["samples"][False]
 
 
