@@ -94,6 +94,12 @@ FLAG_CASES = [
     (["--drop-cut-metrics-line"], "--drop-cut-metrics-line needs --metrics-file"),
     (["--metrics-file", "m.jsonl", "--append-metrics-file", "--overwrite-metrics-file"],
      "argument --overwrite-metrics-file: not allowed with argument --append-metrics-file"),
+    (["--inference-cuda-graph-scope", "block", "--no-rollout-cuda-graphs"],
+     "--inference-cuda-graph-scope block sets what Megatron's engine's CUDA graphs hold, and --no-rollout-cuda-graphs "
+     "runs none"),
+    (["--inference-cuda-graph-scope", "block", "--rollout-engine", "local"],
+     "--inference-cuda-graph-scope block sets what Megatron's engine's CUDA graphs hold, and --rollout-engine local "
+     "runs none"),
     (["--clip-grad", "-1"], "--clip-grad must be a finite number >= 0.0, got -1.0"),
     (["--adam-beta2", "1"], "--adam-beta2 must be a finite number >= 0.0 and < 1.0, got 1.0"),
     (["--adam-eps", "0"], "--adam-eps must be a finite number > 0, got 0.0"),

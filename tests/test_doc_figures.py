@@ -149,7 +149,7 @@ def test_the_gpu_router_sweep_table_is_the_file():
 
 @pytest.mark.parametrize("name, collections, verdict", [
     ("megatron-rl-warm1024-np1-metrics.jsonl", 50, "On 1 GPU it is missed over 50 collections at `SEQ_LEN=1024` ({})"),
-    ("megatron-rl-warm1024-np1-timed-metrics.jsonl", 30, "met the target in this run ({})"),
+    ("megatron-rl-warm1024-np1-timed-metrics.jsonl", 30, "within 1/10 over this run's 30 collections ({})"),
 ])
 def test_the_train_rl_warm_start_figures_on_one_gpu_are_the_file(name, collections, verdict):
     rows, replay, live, bench = warm_start_figures(name)

@@ -255,10 +255,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "model replica is one GPU whose MoE layers keep their token counts on the device, they "
                          "replay CUDA graphs captured on the first passes (each engine its own)")
     rl.add_argument("--inference-cuda-graph-scope", choices=ENGINE_GRAPH_SCOPES, default="layer",
-                    help="what one of Megatron's engine's CUDA graphs holds (Megatron-LM's flag): each transformer "
-                         "layer's own (layer, the default: a decode step replays one graph per layer, each after "
-                         "its manager checks its arguments) or the whole transformer block (block: one replay a "
-                         "step, captured when the engine starts)")
+                    help="what one of Megatron's engine's CUDA graphs holds (Megatron-LM's flag name): each "
+                         "transformer layer's own (layer, the default: captured on the engine's first steps, where "
+                         "Megatron-LM's layer scope captures when the engine starts; a decode step replays one "
+                         "graph per layer, each after its manager checks its arguments) or the whole transformer "
+                         "block (block: one replay a step, captured when the engine starts). Needs Megatron's "
+                         "engine with its graphs (--rollout-engine megatron or its default, no "
+                         "--no-rollout-cuda-graphs)")
     rl.add_argument("--no-trainer-cuda-graphs", dest="trainer_cuda_graphs", action="store_false",
                     help="run the trainer's passes eagerly; by default, where a model replica is one GPU and its "
                          "experts are grouped, the forward-only passes that route live (--r3-compare's when "

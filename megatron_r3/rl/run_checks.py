@@ -97,6 +97,13 @@ def relation_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     etp = expert_tensor_parallel_size(args)
+    if args.inference_cuda_graph_scope == "block":
+        for flag, given in (("--no-rollout-cuda-graphs", not args.rollout_cuda_graphs),
+                            ("--rollout-engine local", args.rollout_engine == "local"),
+                            ("--rollout-dump", args.rollout_dump is not None)):
+            if given:
+                problems.append(f"--inference-cuda-graph-scope block sets what Megatron's engine's CUDA graphs hold, "
+                                f"and {flag} runs none")
     if args.moe_router_topk > args.num_experts:
         problems.append(f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts {args.num_experts}")
     if args.num_experts % ep:

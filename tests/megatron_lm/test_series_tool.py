@@ -31,6 +31,9 @@ def test_every_timer_the_series_adds_is_one_megatron_logs():
     profiling = diff.split("diff --git a/megatron/rl/rl_profiling.py")[1].split("diff --git")[0]
     for name in new:
         assert f'+    "{name}",' in profiling, f"{name} is timed and not in RL_LOGGABLE_TIMER_NAMES"
+    # in the logged list, beside the pass it is paired with (the hierarchy indents by 8, the summary by 12)
+    assert ('     "rl/compute-old-logprobs",\n+    "rl/compute-live-logprobs",\n     "rl/compute-ref-logprobs",'
+            in profiling)
 
 
 def test_extract_refuses_a_file_the_series_only_changes(tmp_path):

@@ -126,8 +126,8 @@ def test_the_rng_tracker_is_graph_safe_where_megatrons_engine_captures_graphs(mo
 def test_the_graph_scope_flag_sets_what_megatrons_engine_captures(scope):
     """--inference-cuda-graph-scope block makes the transformer block own the engine's graphs (Megatron's
     InferenceCudaGraphScope.block); layer, the default, leaves the scope of the config built without graphs,
-    under which each layer's graph manager captures on the engine's first steps. The config it was copied
-    from keeps no graphs (the policy and the snapshots are built from it)."""
+    under which each layer's graph manager captures on the engine's first steps. The copy leaves the config
+    it came from without graphs."""
     from megatron.core.transformer.enums import InferenceCudaGraphScope
 
     settings = rollout_engine_settings(parse_args(["--inference-cuda-graph-scope", scope]))
@@ -337,7 +337,7 @@ def _graphs_worker(argv):
             if cuda_graphs:
                 owner = engine.graph_owner
             rounds = []
-            for iteration in (1, 2):  # the first captures the graphs, the second replays them
+            for iteration in (1, 2):  # per layer the first captures (block: the engine's start), the second replays
                 engine.weights.advance()
                 rounds.append([(s.token_ids.tolist(), s.logprobs.tolist(), s.routes.ids.tolist())
                                for s in engine.generate(prompts, iteration)])
