@@ -135,8 +135,8 @@ def paired_forward_rows(log: str, skip: int) -> tuple[list[str], list[str]]:
     row = (f"| forward-only pass over the same bins, ms (`{REPLAY_FORWARD}` with replay and `{LIVE_FORWARD}` routing "
            f"live, {len(iterations)} iterations) | {replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | |")
     note = (f"Per iteration, the forward-only pass with replay over the same pass routing live (same bins, same "
-            f"weights; the replayed pass runs first and also gathers the route metrics, so the ratio counts more "
-            f"than replay's cost): median {statistics.median(ratios):.3f}, "
+            f"weights, each first every other collection; the replayed pass also gathers the route metrics, so the "
+            f"ratio counts more than replay's cost): median {statistics.median(ratios):.3f}, "
             f"{min(ratios):.3f}-{max(ratios):.3f}, replay slower in {sum(r > 1 for r in ratios)} of {len(ratios)}.")
     return [row], [note]
 
