@@ -28,6 +28,7 @@ def test_every_timer_the_series_adds_is_one_megatron_logs():
     timed = set(re.findall(r'nvtx_range\("([^"]+)", time=True', "\n".join(added)))
     new = {name for name in timed if not any(f'"{name}"' in line for line in kept)}
     assert "rl/compute-live-logprobs" in new
+    assert "diff --git a/megatron/rl/rl_profiling.py" in diff, "the series leaves the list of logged RL timers alone"
     profiling = diff.split("diff --git a/megatron/rl/rl_profiling.py")[1].split("diff --git")[0]
     for name in new:
         assert f'+    "{name}",' in profiling, f"{name} is timed and not in RL_LOGGABLE_TIMER_NAMES"

@@ -275,7 +275,8 @@ class MegatronRolloutEngine:
 
     @property
     def graph_owner(self) -> str:
-        """What holds the engine's CUDA graphs, in words: each layer, or the whole transformer block."""
+        """What holds the engine's CUDA graphs where it has any (``num_cuda_graphs``), in words: each layer, or the
+        whole transformer block."""
         from megatron.core.transformer.enums import InferenceCudaGraphScope
 
         block = self.chunks[0].config.inference_cuda_graph_scope == InferenceCudaGraphScope.block

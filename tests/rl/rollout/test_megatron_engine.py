@@ -142,6 +142,31 @@ def test_the_graph_scope_flag_sets_what_megatrons_engine_captures(scope):
     assert engine.graph_owner == ("of the whole transformer block" if scope == "block" else "per layer")
 
 
+@pytest.mark.parametrize("scope", ["layer", "block"])
+def test_the_launcher_builds_megatrons_engine_on_the_graph_scope_it_was_given(monkeypatch, scope):
+    """build_rollout_engine hands Megatron's engine a model built on the graphed config of --inference-cuda-graph-
+    scope (the engine itself stood in: it needs CUDA)."""
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+
+    from megatron_r3.rl.rollout import engine_choice
+
+    built, engines = [], []
+    monkeypatch.setattr(engine_choice, "resolve_rollout_engine", lambda *args: "megatron")
+    monkeypatch.setattr(engine_choice, "graphs_apply", lambda model: True)
+    monkeypatch.setattr(engine_choice, "build_model", lambda model, config, device: built.append(config) or [])
+    monkeypatch.setattr(engine_choice.tensor_parallel, "get_cuda_rng_tracker",
+                        lambda: type("Tracker", (), {"use_cudagraphable_rng": True})())
+    monkeypatch.setattr(engine_choice, "MegatronRolloutEngine",
+                        lambda make_chunks, *args, **kwargs: engines.append((make_chunks(), kwargs)))
+    settings = rollout_engine_settings(parse_args(["--inference-cuda-graph-scope", scope]))
+    engine_choice.build_rollout_engine(settings, DEFAULT_MODEL, torch.device("cpu"), [], SPEC, rows=None,
+                                       per_rank=4, max_sample_tokens=32)
+    assert len(engines) == 1 and engines[0][1]["num_cuda_graphs"] == engine_choice.MEGATRON_ENGINE_CUDA_GRAPHS
+    probe, engine_model = built  # the replica graphs_apply looks at, then the engine's
+    assert probe.cuda_graph_impl == "none" and engine_model.cuda_graph_impl == "local"
+    assert (engine_model.inference_cuda_graph_scope == InferenceCudaGraphScope.block) == (scope == "block")
+
+
 def test_an_unknown_graph_scope_is_refused_naming_the_flag():
     assert parse_args([]).inference_cuda_graph_scope == "layer"
     with pytest.raises(ValueError, match=r"--inference-cuda-graph-scope must be one of \('layer', 'block'\), "
@@ -334,15 +359,18 @@ def _graphs_worker(argv):
             engine = build_rollout_engine(engine_settings, model, device, policy, RoutingSpec.from_config(config),
                                           rows, len(prompts))
             graphed[cuda_graphs] = engine.chunks[0].config.cuda_graph_impl == "local"
-            if cuda_graphs:
-                owner = engine.graph_owner
             rounds = []
             for iteration in (1, 2):  # per layer the first captures (block: the engine's start), the second replays
                 engine.weights.advance()
                 rounds.append([(s.token_ids.tolist(), s.logprobs.tolist(), s.routes.ids.tolist())
                                for s in engine.generate(prompts, iteration)])
             samples[cuda_graphs] = rounds
-        return {"graphed": graphed, "samples": samples, "owner": owner}
+            if cuda_graphs:
+                owner = engine.graph_owner
+                # the modules whose graph managers hold captured graphs: what replayed, not what was configured
+                captured = sorted({type(module).__name__ for module in engine.chunks[0].modules()
+                                   if getattr(getattr(module, "cudagraph_manager", None), "cudagraph_runners", None)})
+        return {"graphed": graphed, "samples": samples, "owner": owner, "captured": captured}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -359,6 +387,10 @@ def test_megatrons_engine_with_its_cuda_graphs_draws_what_it_draws_eagerly(scope
     ((result),) = run_workers(_graphs_worker, 1, argv, backend="nccl", timeout=300)
     assert result["graphed"] == {True: True, False: False}
     assert result["owner"] == ("of the whole transformer block" if scope == "block" else "per layer")
+    if scope == "block":
+        assert result["captured"] == ["TransformerBlock"]
+    else:
+        assert result["captured"] and "TransformerBlock" not in result["captured"]
     assert result["samples"][True] == result["samples"][False]
 
 
