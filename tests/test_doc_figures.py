@@ -110,7 +110,7 @@ def test_the_train_rl_warm_start_figures_at_seq_len_1024_are_the_file():
     bench = bench.replace("\n", " ")
     lower_count_and_guide(rows, replay, live, bench)
     assert f"as over {len(rows)} in an earlier run ({replay / live:.3f})," in bench
-    assert "and met over 45 at `SEQ_LEN=384` (0.036)" in bench
+    assert "and over 45 at `SEQ_LEN=384` (0.036)" in bench
 
 
 def test_the_gpu_router_sweep_table_is_the_file():
