@@ -10,9 +10,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.step import compute_ms, kernel_table
+import torch
+
+from bench.step import compute_ms, flat_gradient_buffers, kernel_table
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gradients_accumulate_in_place_into_the_flat_buffers_that_one_call_zeroes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False).to(torch.float64))
+    model[0].bias.requires_grad_(False)
+    reference = [torch.zeros_like(p) for p in model.parameters()]
+    buffers = flat_gradient_buffers(list(model.parameters()))
+    assert [b.dtype for b in buffers] == [torch.float32, torch.float64] and model[0].bias.grad is None
+    for _ in range(2):  # two microbatches: the second adds to the first
+        x = torch.randn(4, 6)
+        out = model[1](model[0](x).to(torch.float64)).square().sum()
+        grads = torch.autograd.grad(out, [p for p in model.parameters() if p.requires_grad])
+        for ref, grad in zip([r for r, p in zip(reference, model.parameters()) if p.requires_grad], grads):
+            ref += grad
+        model[1](model[0](x).to(torch.float64)).square().sum().backward()
+    assert torch.equal(buffers[0], torch.cat([model[0].weight.grad.flatten()]))
+    assert torch.allclose(model[0].weight.grad, reference[0]) and torch.allclose(model[1].weight.grad, reference[2])
+    assert model[0].weight.grad.data_ptr() == buffers[0].data_ptr()  # still the view: accumulated in place
+    for buffer in buffers:
+        buffer.zero_()
+    assert not model[0].weight.grad.any() and not model[1].weight.grad.any()
 
 
 def test_device_compute_leaves_out_nccl_whose_kernels_wait_for_peers():
