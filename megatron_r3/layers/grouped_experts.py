@@ -10,7 +10,9 @@ device, so the forward and backward read nothing back to the host. A small model
 costs the host's time to issue its operators (docs/benchmarks.md), which is what this saves.
 
 The grouped path takes what ``MLP.forward`` computes without fusions: the activation (or
-the gated one), the router's probability per token, the second linear layer. Anything
+the gated one), the router's probability per token, the second linear layer. On a GPU with
+TransformerEngine, SwiGLU and the probability run as TE's scaled SwiGLU, one kernel each way
+(fp32 math, one rounding at the store) instead of about five elementwise ones. Anything
 else (biases, expert tensor parallelism, fp8, ``moe_apply_probs_on_input``, selective
 recompute of the activation, delayed weight gradients, a device or dtype where torch's
 grouped GEMM does not run forward and backward, or reads its offsets back to the host: on
@@ -45,6 +47,50 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
             return bool(torch.all(out == 16)) and w.grad is not None
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+@lru_cache(maxsize=None)
+def te_scaled_swiglu(dtype: torch.dtype):
+    """TransformerEngine's extension where its scaled SwiGLU kernels run, forward and backward, on this
+    GPU in ``dtype``; else None."""
+    try:
+        import transformer_engine_torch as tex
+    except ImportError:
+        return None
+    if not (hasattr(tex, "scaled_swiglu") and hasattr(tex, "scaled_dswiglu")):
+        return None
+    try:
+        x = torch.ones(2, 16, device="cuda", dtype=dtype)
+        scales = torch.full((2,), 2.0, device="cuda", dtype=dtype)
+        out = tex.scaled_swiglu(x, scales, None, 0)
+        grad_x, grad_scales = tex.scaled_dswiglu(torch.ones_like(out), x, scales, None, 0, True)
+    except RuntimeError:
+        return None
+    want = 2 * F.silu(torch.ones((), device="cuda"))
+    if not (out.shape == (2, 8) and torch.allclose(out.float(), want, rtol=1e-2) and grad_x.shape == x.shape
+            and grad_scales.shape == scales.shape):
+        return None
+    return tex
+
+
+class ScaledSwiGLU(torch.autograd.Function):
+    """``silu(x[:, :F]) * x[:, F:] * probs[:, None]`` as TransformerEngine's scaled SwiGLU: one kernel
+    forward, one backward (the gradients of ``x`` and of ``probs``). The probabilities enter in ``x``'s
+    dtype, as TE's ``ScaledSwiGLU`` operation (Megatron's fused ``TEGroupedMLP``) passes them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        scales = probs.to(x.dtype)
+        ctx.save_for_backward(x, scales)
+        ctx.probs_dtype = probs.dtype
+        return te_scaled_swiglu(x.dtype).scaled_swiglu(x, scales, None, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, scales = ctx.saved_tensors
+        grad_x, grad_scales = te_scaled_swiglu(x.dtype).scaled_dswiglu(grad, x, scales, None, 0,
+                                                                       ctx.needs_input_grad[1])
+        return grad_x, None if grad_scales is None else grad_scales.to(ctx.probs_dtype)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -113,9 +159,21 @@ class GroupedGemmExperts(SequentialMLP):
         experts = self.local_experts
         fc1 = torch.stack([expert.linear_fc1.weight for expert in experts])  # [experts, out, in]
         fc2 = torch.stack([expert.linear_fc2.weight for expert in experts])
-        intermediate = self._activation(grouped_matmul(hidden, fc1, offsets))
-        intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
+        intermediate = grouped_matmul(hidden, fc1, offsets)
+        if self._fused_swiglu(intermediate, permuted_probs):
+            intermediate = ScaledSwiGLU.apply(intermediate, permuted_probs)
+        else:
+            intermediate = self._activation(intermediate)
+            intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(intermediate.dtype)
         return grouped_matmul(intermediate, fc2, offsets), None
+
+    def _fused_swiglu(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
+        """Whether the activation and the probability run as TE's scaled SwiGLU: plain SwiGLU (no clamp,
+        no offset) on a GPU where TE's kernels run for these dtypes."""
+        config = self.config
+        return (x.is_cuda and config.gated_linear_unit and config.activation_func is F.silu
+                and config.activation_func_clamp_value is None and not config.glu_linear_offset
+                and probs.dim() == 1 and te_scaled_swiglu(x.dtype) is not None)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """``MLP.forward``'s activation without fusions, gated or not."""

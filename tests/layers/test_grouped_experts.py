@@ -9,6 +9,7 @@ parallelism too. What it does not cover (fp32 on a GPU included) runs ``Sequenti
 
 import contextlib
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -42,6 +43,24 @@ def _counting_grouped_matmul(calls: list):
         grouped_experts.grouped_matmul = original
 
 
+@contextlib.contextmanager
+def _counting_scaled_swiglu(calls: list):
+    """Counts the grouped experts' fused activations (TE's scaled SwiGLU) in the block."""
+    original = grouped_experts.ScaledSwiGLU
+
+    class Counting(original):
+        @staticmethod
+        def forward(ctx, x, probs):
+            calls.append(1)
+            return original.forward(ctx, x, probs)
+
+    grouped_experts.ScaledSwiGLU = Counting
+    try:
+        yield
+    finally:
+        grouped_experts.ScaledSwiGLU = original
+
+
 def _experts(chunk):
     return [m for m in chunk.modules() if isinstance(m, SequentialMLP)]
 
@@ -70,16 +89,17 @@ def _module_worker(flags, fields, dtype, splits):
             hidden = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype).requires_grad_()
             probs = torch.rand(sum(split), generator=gen).to(device).requires_grad_()
             grad_out = torch.randn(sum(split), MODEL.hidden_size, generator=gen).to(device, dtype)
-            outs = {}
+            outs = {"fused_swiglu": {}}
             for name, forward in (("grouped", GroupedGemmExperts.forward), ("sequential", SequentialMLP.forward)):
                 for p in experts.parameters():
                     p.grad = None
-                calls = []
-                with _counting_grouped_matmul(calls):
+                calls, fused = [], []
+                with _counting_grouped_matmul(calls), _counting_scaled_swiglu(fused):
                     out, bias = forward(experts, hidden, torch.tensor(split), probs)
                 assert bias is None
                 grads = torch.autograd.grad(out, [hidden, probs, *experts.parameters()], grad_out)
                 outs[name] = (out.detach().cpu(), [g.detach().cpu() for g in grads], len(calls))
+                outs["fused_swiglu"][name] = len(fused)
             results.append(outs)
         return results
     finally:
@@ -107,14 +127,19 @@ def test_grouped_forward_equals_the_sequential_one(flags, fields, dtype):
 
 
 @pytest.mark.gpu
-def test_grouped_forward_on_a_gpu_matches_the_sequential_one():
-    """Host token counts (pinned, copied asynchronously) and CUDA grouped GEMMs in bf16: equal within rounding."""
-    (results,) = run_workers(_module_worker, 1, ["--moe-grouped-gemm", "--bf16"], {}, torch.bfloat16, SPLITS,
+@pytest.mark.parametrize("flags", [[], ["--swiglu"]], ids=["gelu", "swiglu"])
+def test_grouped_forward_on_a_gpu_matches_the_sequential_one(flags):
+    """Host token counts (pinned, copied asynchronously) and CUDA grouped GEMMs in bf16: equal within rounding,
+    outputs and every gradient (the probabilities' too); SwiGLU and the probabilities as TE's scaled SwiGLU
+    kernels, once per grouped forward, where TE is installed (`make install` installs it on CUDA machines)."""
+    (results,) = run_workers(_module_worker, 1, ["--moe-grouped-gemm", "--bf16", *flags], {}, torch.bfloat16, SPLITS,
                              backend="nccl")
     tol = {"rtol": 2e-2, "atol": 2e-2}
+    fused = 1 if flags and importlib.util.find_spec("transformer_engine_torch") else 0
     for outs in results:
         (out, grads, grouped_calls), (want, want_grads, _) = outs["grouped"], outs["sequential"]
         assert grouped_calls == 2
+        assert (outs["fused_swiglu"]["grouped"], outs["fused_swiglu"]["sequential"]) == (fused, 0)
         torch.testing.assert_close(out, want, **tol)
         for got, expected in zip(grads, want_grads):
             torch.testing.assert_close(got, expected, **tol)
@@ -257,3 +282,53 @@ def _dispatch_worker(layout, flags, bias):
 def test_the_dispatcher_leaves_counts_on_the_device_on_one_expert_rank(layout, flags, bias, on_device):
     for per_layer in run_workers(_dispatch_worker, layout.world_size, layout, flags, bias):
         assert per_layer == [on_device] * len(MODEL.moe_layers)
+
+
+class _ReferenceScaledSwiGLU:
+    """TE's scaled SwiGLU kernels' contract in torch (fp32 math, one rounding at the store), for the CPU."""
+
+    calls = []
+
+    @classmethod
+    def scaled_swiglu(cls, x, scales, quantizer, interleave):
+        cls.calls.append(("forward", x.dtype, scales.dtype))
+        gate, linear = x.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * linear * scales.float()[:, None]).to(x.dtype)
+
+    @classmethod
+    def scaled_dswiglu(cls, grad, x, scales, quantizer, interleave, compute_scale_grad):
+        cls.calls.append(("backward", x.dtype, scales.dtype))
+        gate, linear = x.float().chunk(2, dim=-1)
+        g, s = grad.float(), scales.float()[:, None]
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_x = torch.cat([g * s * linear * sig * (1 + gate * (1 - sig)), g * s * silu], dim=-1).to(x.dtype)
+        grad_scales = (g * silu * linear).sum(-1).to(scales.dtype) if compute_scale_grad else None
+        return grad_x, grad_scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_swiglu_gives_the_activations_value_and_gradients(monkeypatch, dtype):
+    """ScaledSwiGLU hands TE's kernels the probabilities in the activations' dtype, as TE's own operation does,
+    and returns the gradients of the activations and of the probabilities in their own dtypes: through it,
+    output and both gradients equal SwiGLU times the probability under autograd (a kernel's contract played by
+    torch here; the GPU test runs TE's)."""
+    monkeypatch.setattr(grouped_experts, "te_scaled_swiglu", lambda dtype: _ReferenceScaledSwiGLU)
+    _ReferenceScaledSwiGLU.calls = []
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 2 * 6, generator=gen).to(dtype).requires_grad_()  # an odd row count
+    probs = torch.rand(11, generator=gen).requires_grad_()
+    grad_out = torch.randn(11, 6, generator=gen).to(dtype)
+    out = grouped_experts.ScaledSwiGLU.apply(x, probs)
+    grads = torch.autograd.grad(out, [x, probs], grad_out)
+    assert _ReferenceScaledSwiGLU.calls == [("forward", dtype, dtype), ("backward", dtype, dtype)]
+    assert (out.dtype, grads[0].dtype, grads[1].dtype) == (dtype, dtype, torch.float32)
+
+    x64, p64 = x.detach().double().requires_grad_(), probs.detach().to(dtype).double().requires_grad_()
+    gate, linear = x64.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * linear * p64[:, None]
+    want_grads = torch.autograd.grad(want, [x64, p64], grad_out.double())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.double(), want, **tol)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, **tol)
