@@ -169,7 +169,7 @@ class GroupedGemmExperts(SequentialMLP):
 
     def _fused_swiglu(self, x: torch.Tensor, probs: torch.Tensor) -> bool:
         """Whether the activation and the probability run as TE's scaled SwiGLU: plain SwiGLU (no clamp,
-        no offset) on a GPU where TE's kernels run for these dtypes."""
+        no offset) on a GPU where TE's kernels run in ``x``'s dtype."""
         config = self.config
         return (x.is_cuda and config.gated_linear_unit and config.activation_func is F.silu
                 and config.activation_func_clamp_value is None and not config.glu_linear_offset
