@@ -50,25 +50,34 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
 
 
 @lru_cache(maxsize=None)
-def te_scaled_swiglu(dtype: torch.dtype):
-    """TransformerEngine's extension where its scaled SwiGLU kernels run, forward and backward, on this
-    GPU in ``dtype``; else None."""
+def te_scaled_swiglu(device_type: str, dtype: torch.dtype):
+    """TransformerEngine's extension where its scaled SwiGLU kernels run on this device type in ``dtype``
+    and give, forward and backward, what SwiGLU times a per-row scale gives under autograd; else None."""
     try:
         import transformer_engine_torch as tex
     except ImportError:
         return None
     if not (hasattr(tex, "scaled_swiglu") and hasattr(tex, "scaled_dswiglu")):
         return None
-    try:
-        x = torch.ones(2, 16, device="cuda", dtype=dtype)
-        scales = torch.full((2,), 2.0, device="cuda", dtype=dtype)
-        out = tex.scaled_swiglu(x, scales, None, 0)
-        grad_x, grad_scales = tex.scaled_dswiglu(torch.ones_like(out), x, scales, None, 0, True)
-    except RuntimeError:
-        return None
-    want = 2 * F.silu(torch.ones((), device="cuda"))
-    if not (out.shape == (2, 8) and torch.allclose(out.float(), want, rtol=1e-2) and grad_x.shape == x.shape
-            and grad_scales.shape == scales.shape):
+    # The first MoE layer to ask may run under no_grad or inference_mode (the rollout engines').
+    with torch.inference_mode(False), torch.enable_grad():
+        gen = torch.Generator().manual_seed(0)
+        x, scales, grad = (torch.randn(3, 32, generator=gen), torch.rand(3, generator=gen),
+                           torch.randn(3, 16, generator=gen))
+        x, scales, grad = (t.to(device_type, dtype) for t in (x, scales, grad))
+        try:
+            out = tex.scaled_swiglu(x, scales, None, 0)
+            grad_x, grad_scales = tex.scaled_dswiglu(grad, x, scales, None, 0, True)
+        except RuntimeError:
+            return None
+        x32, scales32 = x.float().requires_grad_(), scales.float().requires_grad_()
+        gate, linear = x32.chunk(2, dim=-1)
+        want = F.silu(gate) * linear * scales32[:, None]
+        want_grad_x, want_grad_scales = torch.autograd.grad(want, [x32, scales32], grad.float())
+    close = dict(rtol=2e-2, atol=2e-2)
+    if not (out.shape == want.shape and grad_x.shape == x.shape and grad_scales.shape == scales.shape
+            and torch.allclose(out.float(), want, **close) and torch.allclose(grad_x.float(), want_grad_x, **close)
+            and torch.allclose(grad_scales.float(), want_grad_scales, **close)):
         return None
     return tex
 
@@ -83,13 +92,13 @@ class ScaledSwiGLU(torch.autograd.Function):
         scales = probs.to(x.dtype)
         ctx.save_for_backward(x, scales)
         ctx.probs_dtype = probs.dtype
-        return te_scaled_swiglu(x.dtype).scaled_swiglu(x, scales, None, 0)
+        return te_scaled_swiglu(x.device.type, x.dtype).scaled_swiglu(x, scales, None, 0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, scales = ctx.saved_tensors
-        grad_x, grad_scales = te_scaled_swiglu(x.dtype).scaled_dswiglu(grad, x, scales, None, 0,
-                                                                       ctx.needs_input_grad[1])
+        grad_x, grad_scales = te_scaled_swiglu(x.device.type, x.dtype).scaled_dswiglu(
+            grad, x, scales, None, 0, ctx.needs_input_grad[1])
         return grad_x, None if grad_scales is None else grad_scales.to(ctx.probs_dtype)
 
 
@@ -173,7 +182,7 @@ class GroupedGemmExperts(SequentialMLP):
         config = self.config
         return (x.is_cuda and config.gated_linear_unit and config.activation_func is F.silu
                 and config.activation_func_clamp_value is None and not config.glu_linear_offset
-                and probs.dim() == 1 and te_scaled_swiglu(x.dtype) is not None)
+                and probs.dim() == 1 and te_scaled_swiglu("cuda", x.dtype) is not None)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """``MLP.forward``'s activation without fusions, gated or not."""

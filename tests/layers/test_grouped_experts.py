@@ -10,6 +10,8 @@ parallelism too. What it does not cover (fp32 on a GPU included) runs ``Sequenti
 import contextlib
 import dataclasses
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -313,7 +315,7 @@ def test_the_fused_swiglu_gives_the_activations_value_and_gradients(monkeypatch,
     and returns the gradients of the activations and of the probabilities in their own dtypes: through it,
     output and both gradients equal SwiGLU times the probability under autograd (a kernel's contract played by
     torch here; the GPU test runs TE's)."""
-    monkeypatch.setattr(grouped_experts, "te_scaled_swiglu", lambda dtype: _ReferenceScaledSwiGLU)
+    monkeypatch.setattr(grouped_experts, "te_scaled_swiglu", lambda device_type, dtype: _ReferenceScaledSwiGLU)
     _ReferenceScaledSwiGLU.calls = []
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(11, 2 * 6, generator=gen).to(dtype).requires_grad_()  # an odd row count
@@ -332,3 +334,45 @@ def test_the_fused_swiglu_gives_the_activations_value_and_gradients(monkeypatch,
     torch.testing.assert_close(out.double(), want, **tol)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got.double(), expected, **tol)
+
+
+class _SwappedHalves(_ReferenceScaledSwiGLU):
+    """A kernel that gates the second half: right on inputs whose halves are equal, wrong otherwise."""
+
+    @classmethod
+    def scaled_swiglu(cls, x, scales, quantizer, interleave):
+        return super().scaled_swiglu(torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1), scales, quantizer, interleave)
+
+
+class _NoScaleGradient(_ReferenceScaledSwiGLU):
+    @classmethod
+    def scaled_dswiglu(cls, grad, x, scales, quantizer, interleave, compute_scale_grad):
+        grad_x, grad_scales = super().scaled_dswiglu(grad, x, scales, quantizer, interleave, compute_scale_grad)
+        return grad_x, torch.zeros_like(grad_scales)
+
+
+class _Raises(_ReferenceScaledSwiGLU):
+    @classmethod
+    def scaled_swiglu(cls, x, scales, quantizer, interleave):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+
+@pytest.mark.parametrize("kernels, used", [(_ReferenceScaledSwiGLU, True), (_SwappedHalves, False),
+                                           (_NoScaleGradient, False), (_Raises, False), (None, False)],
+                         ids=["right", "swapped-halves", "no-scale-gradient", "raises", "not-installed"])
+def test_te_scaled_swiglu_is_used_only_where_it_gives_swiglu_times_the_scale(monkeypatch, kernels, used):
+    """The probe runs TE's kernels once on random inputs, forward and backward, against autograd: kernels that
+    do not run, or compute something else, leave the grouped experts on the unfused activation (played here
+    on the CPU by stand-ins for TE's extension; under no_grad, as a rollout engine's first pass asks)."""
+    if kernels is None:
+        monkeypatch.setitem(sys.modules, "transformer_engine_torch", None)  # its import raises ImportError
+    else:
+        module = types.ModuleType("transformer_engine_torch")
+        module.scaled_swiglu, module.scaled_dswiglu = kernels.scaled_swiglu, kernels.scaled_dswiglu
+        monkeypatch.setitem(sys.modules, "transformer_engine_torch", module)
+    grouped_experts.te_scaled_swiglu.cache_clear()
+    try:
+        with torch.no_grad():
+            assert (grouped_experts.te_scaled_swiglu("cpu", torch.bfloat16) is not None) == used
+    finally:
+        grouped_experts.te_scaled_swiglu.cache_clear()
