@@ -54,6 +54,9 @@ def te_scaled_swiglu(device_type: str, dtype: torch.dtype):
     """TransformerEngine's extension where its scaled SwiGLU kernels run on this device type in ``dtype``
     and give, forward and backward, what SwiGLU times a per-row scale gives under autograd; else None."""
     try:
+        # TE's package loads its core library, which the extension links against, then the extension:
+        # imported alone (a model of local layers has not imported TE) the extension does not load.
+        import transformer_engine.pytorch  # noqa: F401
         import transformer_engine_torch as tex
     except ImportError:
         return None

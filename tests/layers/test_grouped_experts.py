@@ -9,6 +9,7 @@ parallelism too. What it does not cover (fp32 on a GPU included) runs ``Sequenti
 
 import contextlib
 import dataclasses
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -357,22 +358,61 @@ class _Raises(_ReferenceScaledSwiGLU):
         raise RuntimeError("no kernel image is available for execution on the device")
 
 
+class _StandInTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """TE's packages on the CPU: ``transformer_engine_torch`` (the extension, with ``kernels``) imports only once
+    ``transformer_engine.pytorch`` has, as TE's extension loads only after TE's package loaded its core library."""
+
+    NAMES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine_torch")
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.NAMES:
+            return importlib.util.spec_from_loader(name, self, is_package=name == "transformer_engine")
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        if module.__name__ == "transformer_engine_torch":
+            if "transformer_engine.pytorch" not in sys.modules:
+                raise ImportError("libtransformer_engine.so: cannot open shared object file")
+            module.scaled_swiglu, module.scaled_dswiglu = self.kernels.scaled_swiglu, self.kernels.scaled_dswiglu
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """Installs ``_StandInTE(kernels)`` (None: TE not installed) for a test; TE's real modules come back after it."""
+    saved = {name: sys.modules.pop(name) for name in _StandInTE.NAMES if name in sys.modules}
+
+    def install(kernels):
+        if kernels is None:
+            for name in _StandInTE.NAMES:
+                sys.modules[name] = None  # its import raises ImportError
+        else:
+            monkeypatch.setattr(sys, "meta_path", [_StandInTE(kernels), *sys.meta_path])
+
+    grouped_experts.te_scaled_swiglu.cache_clear()
+    try:
+        yield install
+    finally:
+        grouped_experts.te_scaled_swiglu.cache_clear()
+        for name in _StandInTE.NAMES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
 @pytest.mark.parametrize("kernels, used", [(_ReferenceScaledSwiGLU, True), (_SwappedHalves, False),
                                            (_NoScaleGradient, False), (_Raises, False), (None, False)],
                          ids=["right", "swapped-halves", "no-scale-gradient", "raises", "not-installed"])
-def test_te_scaled_swiglu_is_used_only_where_it_gives_swiglu_times_the_scale(monkeypatch, kernels, used):
-    """The probe runs TE's kernels once on random inputs, forward and backward, against autograd: kernels that
-    do not run, or compute something else, leave the grouped experts on the unfused activation (played here
-    on the CPU by stand-ins for TE's extension; under no_grad, as a rollout engine's first pass asks)."""
-    if kernels is None:
-        monkeypatch.setitem(sys.modules, "transformer_engine_torch", None)  # its import raises ImportError
-    else:
-        module = types.ModuleType("transformer_engine_torch")
-        module.scaled_swiglu, module.scaled_dswiglu = kernels.scaled_swiglu, kernels.scaled_dswiglu
-        monkeypatch.setitem(sys.modules, "transformer_engine_torch", module)
-    grouped_experts.te_scaled_swiglu.cache_clear()
-    try:
-        with torch.no_grad():
-            assert (grouped_experts.te_scaled_swiglu("cpu", torch.bfloat16) is not None) == used
-    finally:
-        grouped_experts.te_scaled_swiglu.cache_clear()
+def test_te_scaled_swiglu_is_used_only_where_it_gives_swiglu_times_the_scale(stand_in_te, kernels, used):
+    """The probe loads TE's extension as TE does (its package first: a model of local layers has not imported TE,
+    and the extension alone does not load), runs its kernels once on random inputs, forward and backward,
+    against autograd: kernels that do not run, or compute something else, leave the grouped experts on the
+    unfused activation (played here on the CPU by stand-ins for TE; under no_grad, as a rollout engine's first
+    pass asks)."""
+    stand_in_te(kernels)
+    with torch.no_grad():
+        assert (grouped_experts.te_scaled_swiglu("cpu", torch.bfloat16) is not None) == used
