@@ -61,8 +61,11 @@ def test_worker_exception_is_raised_with_its_traceback():
     assert "fail_on_rank_one" in message
 
 
-def test_hung_workers_time_out():
+def test_hung_workers_time_out_with_where_each_rank_was():
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="timed out"):
+    with pytest.raises(WorkerError, match="timed out") as info:
         run_workers(sleep_forever, 2, timeout=3)
     assert time.monotonic() - start < 30
+    for rank in (0, 1):
+        report = str(info.value).split(f"--- rank {rank} was at:\n")[1]
+        assert "in sleep_forever" in report.split("--- rank")[0]

@@ -4,7 +4,8 @@
 which joins a process group (gloo on CPU; NCCL with ``device = cuda:rank`` when
 enough GPUs are visible), calls ``fn(*args, **kwargs)`` and sends its return
 value back through ``torch.save``. A worker's exception is re-raised in the
-parent with that rank's traceback; a hung run is killed after ``timeout``.
+parent with that rank's traceback; a hung run is killed after ``timeout``, its
+report holding where each rank's threads were (Python's faulthandler, on SIGUSR1).
 
 Workers come from a forkserver that has already imported torch and
 Megatron-Core, so a launch costs a fork, not a fresh interpreter. The
@@ -23,9 +24,11 @@ concurrent runs (``pytest -n``) never race for a port.
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -168,6 +171,9 @@ def _wait(procs, timeout: float, outdir: str) -> None:
             raise WorkerError(_failure_report(procs, outdir))
         if time.monotonic() > deadline:
             running = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+            for rank in running:  # each writes its threads' stacks to its .stacks file
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+            time.sleep(2)
             raise WorkerError(
                 f"timed out after {timeout:.0f}s; ranks still running: {running}\n"
                 + _failure_report(procs, outdir)
@@ -186,6 +192,10 @@ def _failure_report(procs, outdir: str) -> str:
                 parts.append(f"--- rank {rank} raised:\n{f.read()}")
         elif proc.exitcode not in (None, 0):
             parts.append(f"--- rank {rank} exited with code {proc.exitcode} and no traceback")
+        stacks = os.path.join(outdir, f"{rank}.stacks")
+        if os.path.exists(stacks) and os.path.getsize(stacks):
+            with open(stacks) as f:
+                parts.append(f"--- rank {rank} was at:\n{f.read()}")
     return "\n".join(parts) or "no worker reported an error"
 
 
@@ -199,6 +209,8 @@ def _worker_main(fn, rank, world_size, backend, timeout, outdir, args, kwargs):
     )
     # The CPU machine is shared: one compute thread per rank.
     torch.set_num_threads(1)
+    # Where a hung run's ranks were: the parent signals them at its timeout. The file stays open for it.
+    faulthandler.register(signal.SIGUSR1, file=open(os.path.join(outdir, f"{rank}.stacks"), "w"), all_threads=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
