@@ -58,7 +58,7 @@ def te_scaled_swiglu(device_type: str, dtype: torch.dtype):
         # imported alone (a model of local layers has not imported TE) the extension does not load.
         import transformer_engine.pytorch  # noqa: F401
         import transformer_engine_torch as tex
-    except ImportError:
+    except (ImportError, OSError):  # OSError: a shared library of TE's that does not load
         return None
     if not (hasattr(tex, "scaled_swiglu") and hasattr(tex, "scaled_dswiglu")):
         return None

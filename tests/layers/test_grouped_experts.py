@@ -360,12 +360,13 @@ class _Raises(_ReferenceScaledSwiGLU):
 
 class _StandInTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """TE's packages on the CPU: ``transformer_engine_torch`` (the extension, with ``kernels``) imports only once
-    ``transformer_engine.pytorch`` has, as TE's extension loads only after TE's package loaded its core library."""
+    ``transformer_engine.pytorch`` has, as TE's extension loads only after TE's package loaded its core library;
+    ``core_loads=False``: that library does not load (OSError, as ctypes raises)."""
 
     NAMES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine_torch")
 
-    def __init__(self, kernels):
-        self.kernels = kernels
+    def __init__(self, kernels, core_loads=True):
+        self.kernels, self.core_loads = kernels, core_loads
 
     def find_spec(self, name, path=None, target=None):
         if name in self.NAMES:
@@ -376,6 +377,8 @@ class _StandInTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
+        if module.__name__ == "transformer_engine.pytorch" and not self.core_loads:
+            raise OSError("libtransformer_engine.so: undefined symbol")
         if module.__name__ == "transformer_engine_torch":
             if "transformer_engine.pytorch" not in sys.modules:
                 raise ImportError("libtransformer_engine.so: cannot open shared object file")
@@ -387,12 +390,12 @@ def stand_in_te(monkeypatch):
     """Installs ``_StandInTE(kernels)`` (None: TE not installed) for a test; TE's real modules come back after it."""
     saved = {name: sys.modules.pop(name) for name in _StandInTE.NAMES if name in sys.modules}
 
-    def install(kernels):
+    def install(kernels, core_loads=True):
         if kernels is None:
             for name in _StandInTE.NAMES:
                 sys.modules[name] = None  # its import raises ImportError
         else:
-            monkeypatch.setattr(sys, "meta_path", [_StandInTE(kernels), *sys.meta_path])
+            monkeypatch.setattr(sys, "meta_path", [_StandInTE(kernels, core_loads), *sys.meta_path])
 
     grouped_experts.te_scaled_swiglu.cache_clear()
     try:
@@ -416,3 +419,10 @@ def test_te_scaled_swiglu_is_used_only_where_it_gives_swiglu_times_the_scale(sta
     stand_in_te(kernels)
     with torch.no_grad():
         assert (grouped_experts.te_scaled_swiglu("cpu", torch.bfloat16) is not None) == used
+
+
+def test_a_te_whose_library_does_not_load_leaves_the_activation_unfused(stand_in_te):
+    """A TE installation whose core library does not load is one without the fused activation, not an error in a
+    model that did not ask for TE's layers."""
+    stand_in_te(_ReferenceScaledSwiGLU, core_loads=False)
+    assert grouped_experts.te_scaled_swiglu("cpu", torch.bfloat16) is None
