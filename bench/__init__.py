@@ -6,6 +6,8 @@ import os
 import pstats
 from typing import Optional
 
+import torch
+
 from megatron_r3.dataplane.formats.output_files import atomic_output
 
 
@@ -29,3 +31,32 @@ def host_profile(fn, top: int) -> str:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
+
+
+def kernel_times(fn, on_gpu: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, ms) of every kernel of one call of fn by its own device time, the most first
+    (torch's profiler); on a CPU, of every operator by its own CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    rows = [(e.key, e.count, getattr(e, own) / 1e3) for e in prof.key_averages() if getattr(e, own) > 0]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def kernel_table(what_ran: str, kernels: list[tuple[str, int, float]], top: int, on_gpu: bool) -> list[str]:
+    """Markdown lines: the ``top`` kernels of ``what_ran`` (e.g. "one `replay` pass"), each with its share of the
+    sum of all kernels' own times (not of the wall time: an NCCL kernel also counts its wait for the peers, and
+    kernels of overlapping streams both count)."""
+    total = sum(ms for _, _, ms in kernels)
+    what, whole = ("kernel", "device time (NCCL's included)") if on_gpu else ("operator", "CPU time")
+    lines = [f"Where {what_ran} spends its time: the {min(top, len(kernels))} largest of its "
+             f"{len(kernels)} {what}s by their own {whole}, of {total:.2f} ms summed over all of them.", "",
+             f"| {what} | calls | ms | share |", "|---|---:|---:|---:|"]
+    for name, calls, ms in kernels[:top]:
+        short = name if len(name) <= 100 else name[:97] + "..."
+        lines.append(f"| `{short.replace('`', chr(39)).replace('|', '/')}` | {calls} | {ms:.2f} | {ms / total:.1%} |")
+    return lines + [""]

@@ -17,7 +17,9 @@ range over the rounds, and the ratio to the built-in engine. An engine that cann
 is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
 ``--profile-host N`` adds, per engine, the N functions the host spends most time in during one more
-``generate`` (cProfile): where a host-bound engine's time goes.
+``generate`` (cProfile): where a host-bound engine's time goes. ``--profile-device N`` adds, per engine, one
+more ``generate`` under torch's profiler: the wall time, the sum of its kernels' own device times, and its N
+largest kernels (on a CPU, operators by CPU time): whether the device or the host sets the engine's rate.
 
 ``--prompt-tokens P --new-tokens N --requests R`` time a rollout-sized shape instead of the task's:
 ``R`` prompts of ``P`` random task symbols, each completed with exactly ``N`` tokens (no stop token:
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bench import host_profile, publish_report
+from bench import host_profile, kernel_table, kernel_times, publish_report
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -70,13 +72,17 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="after the timed rounds, one more generate per engine under cProfile: the report "
                              "lists the N functions the host spends most time in (their own time)")
+    parser.add_argument("--profile-device", type=int, default=0, metavar="N",
+                        help="after the timed rounds, one more generate per engine under torch's profiler: the "
+                             "report gives its wall and summed kernel time and its N largest kernels")
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     if (args.prompt_tokens is None) != (args.new_tokens is None):
         parser.error("--prompt-tokens and --new-tokens go together")
-    if args.profile_host < 0:
-        parser.error(f"--profile-host {args.profile_host}: a count of functions, 0 or more")
+    for flag, count in (("--profile-host", args.profile_host), ("--profile-device", args.profile_device)):
+        if count < 0:
+            parser.error(f"{flag} {count}: a count, 0 or more")
     return args, argv[split + 1:]
 
 
@@ -141,10 +147,26 @@ def main(argv=None) -> None:
         engine.weights.advance()  # outside the profile, as outside the timed rounds
         profile = host_profile(lambda: engine.generate(prompts, iteration), args.profile_host)
         report += f"\nHost profile of one `{name}` generate (cProfile, by own time):\n\n```\n{profile.strip()}\n```\n"
+    for name, engine in engines.items() if args.profile_device else ():
+        engine.weights.advance()
+        report += "\n" + device_profile(name, lambda: engine.generate(prompts, iteration), args.profile_device,
+                                        device.type == "cuda")
     publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def device_profile(name: str, generate, top: int, on_gpu: bool) -> str:
+    """One more ``generate`` under torch's profiler, as report lines: its wall time against the sum of its kernels'
+    own times (a sum well below the wall time: the host sets the rate), then its ``top`` kernels."""
+    start = time.perf_counter()
+    kernels = kernel_times(generate, on_gpu)
+    wall_ms = 1e3 * (time.perf_counter() - start)
+    own = "kernels' device" if on_gpu else "operators' CPU"
+    summary = (f"One more `{name}` generate under torch's profiler: {wall_ms:.2f} ms wall (the profiler's own "
+               f"host cost included), {sum(ms for _, _, ms in kernels):.2f} ms summed over its {own} times.")
+    return "\n".join([summary, "", *kernel_table(f"one `{name}` generate", kernels, top, on_gpu)])
 
 
 def engine_replays_graphs(engine) -> bool:

@@ -71,7 +71,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from bench import host_profile, publish_report
+from bench import host_profile, kernel_table, kernel_times, publish_report
 from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
@@ -380,39 +380,10 @@ def bf16_peak(device) -> tuple[float, float]:
     return datasheet, 2 * n ** 3 / statistics.median(times)
 
 
-def kernel_times(fn, on_gpu: bool) -> list[tuple[str, int, float]]:
-    """(name, calls, ms) of every kernel of one call of fn by its own device time, the most first
-    (torch's profiler); on a CPU, of every operator by its own CPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        fn()
-        if on_gpu:
-            torch.cuda.synchronize()
-    own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    rows = [(e.key, e.count, getattr(e, own) / 1e3) for e in prof.key_averages() if getattr(e, own) > 0]
-    return sorted(rows, key=lambda row: -row[2])
-
-
 def compute_ms(kernels: list[tuple[str, int, float]]) -> float:
     """Device compute time: every kernel's but NCCL's (a collective's kernel also counts the time
     it waits for its peers)."""
     return sum(ms for name, _, ms in kernels if "nccl" not in name.lower())
-
-
-def kernel_table(variant: str, kernels: list[tuple[str, int, float]], top: int, on_gpu: bool) -> list[str]:
-    """Markdown lines: the ``top`` kernels of one pass of ``variant``, each with its share of the sum of all
-    kernels' own times (not of the pass's wall time: an NCCL kernel also counts its wait for the peers, and
-    kernels of overlapping streams both count)."""
-    total = sum(ms for _, _, ms in kernels)
-    what, whole = ("kernel", "device time (NCCL's included)") if on_gpu else ("operator", "CPU time")
-    lines = [f"Where one `{variant}` pass spends its time: the {min(top, len(kernels))} largest of its "
-             f"{len(kernels)} {what}s by their own {whole}, of {total:.2f} ms summed over all of them.", "",
-             f"| {what} | calls | ms | share |", "|---|---:|---:|---:|"]
-    for name, calls, ms in kernels[:top]:
-        short = name if len(name) <= 100 else name[:97] + "..."
-        lines.append(f"| `{short.replace('`', chr(39)).replace('|', '/')}` | {calls} | {ms:.2f} | {ms / total:.1%} |")
-    return lines + [""]
 
 
 def main(argv=None):
@@ -518,7 +489,7 @@ def main(argv=None):
                         device_ms, flops, tokens, peak, skipped)
         if args.profile_device:
             report += "\n" + "\n".join(line for v in variants
-                                        for line in kernel_table(v, kernels[v], args.profile_device, on_gpu))
+                                        for line in kernel_table(f"one `{v}` pass", kernels[v], args.profile_device, on_gpu))
         publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""bench.generation's host profile (--profile-host): where a host-bound rollout engine's time goes.
+"""bench.generation's profiles (--profile-host, --profile-device): where a rollout engine's time goes.
 
 The benchmark times GPUs; its ``--small`` smoke run on a CPU goes through the same code with the built-in
 engine only (Megatron's needs CUDA, which the report says), which is what runs here.
@@ -37,9 +37,29 @@ def test_a_cpu_run_reports_the_host_profile_of_one_more_generate_per_engine(tmp_
     assert "| megatron | - | not run: it needs CUDA" in report
 
 
-def test_without_the_flag_there_is_no_profile_and_a_negative_count_is_refused(tmp_path):
+def test_a_cpu_run_reports_one_more_generates_wall_time_against_its_operators_and_the_largest(tmp_path):
+    out = tmp_path / "generation.md"
+    run = run_bench("--profile-device", "3", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = out.read_text()
+    assert report.count("under torch's profiler") == 1  # the built-in engine's; Megatron's is not run on a CPU
+    summary = report.split("One more `local` generate under torch's profiler: ")[1].split("\n")[0]
+    wall, summed = (float(part.split(" ms")[0]) for part in (summary, summary.split("included), ")[1]))
+    assert summary.endswith(" ms summed over its operators' CPU times.") and 0 < summed and 0 < wall
+    head = "Where one `local` generate spends its time: the 3 largest of its "
+    header, table = report.split(head)[1].split("\n\n")[:2]
+    assert header.endswith(f"of {summed:.2f} ms summed over all of them.")
+    rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in table.splitlines()[2:]]
+    ms = [float(row[2]) for row in rows]
+    assert len(rows) == 3 and ms == sorted(ms, reverse=True)
+    assert [row[3] for row in rows] == [f"{value / summed:.1%}" for value in ms]
+
+
+def test_without_the_flags_there_is_no_profile_and_a_negative_count_is_refused(tmp_path):
     out = tmp_path / "generation.md"
     assert run_bench("--out", str(out)).returncode == 0
-    assert "Host profile" not in out.read_text() and "| local | no |" in out.read_text()
-    refused = run_bench("--profile-host", "-1")
-    assert refused.returncode == 2 and "--profile-host -1: a count of functions, 0 or more" in refused.stderr
+    text = out.read_text()
+    assert "Host profile" not in text and "profiler" not in text and "| local | no |" in text
+    for flag in ("--profile-host", "--profile-device"):
+        refused = run_bench(flag, "-1")
+        assert refused.returncode == 2 and f"{flag} -1: a count, 0 or more" in refused.stderr

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from bench.step import compute_ms, flat_gradient_buffers, kernel_table
+from bench import kernel_table
+from bench.step import compute_ms, flat_gradient_buffers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def test_device_compute_leaves_out_nccl_whose_kernels_wait_for_peers():
 
 def test_the_kernel_table_gives_each_kernels_share_of_all_kernels_time():
     kernels = [("gemm|" + "x" * 200, 3, 6.0), ("`attn`", 2, 3.0), ("norm", 1, 1.0)]
-    lines = kernel_table("replay", kernels, top=2, on_gpu=True)
+    lines = kernel_table("one `replay` pass", kernels, top=2, on_gpu=True)
     assert lines[0] == ("Where one `replay` pass spends its time: the 2 largest of its 3 kernels by their own "
                         "device time (NCCL's included), of 10.00 ms summed over all of them.")
     rows = [line for line in lines if line.startswith("| `")]
