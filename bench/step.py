@@ -488,8 +488,8 @@ def main(argv=None):
         report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, prepare,
                         device_ms, flops, tokens, peak, skipped)
         if args.profile_device:
-            report += "\n" + "\n".join(line for v in variants
-                                        for line in kernel_table(f"one `{v}` pass", kernels[v], args.profile_device, on_gpu))
+            report += "\n" + "\n".join(line for v in variants for line in kernel_table(
+                f"one `{v}` pass", kernels[v], args.profile_device, on_gpu))
         publish_report(report, args.out)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
