@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_routing import host_counts_unsupported
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from bench import host_profile, kernel_table, kernel_times, publish_report
@@ -87,7 +88,7 @@ from megatron_r3.rl.profiling.host_syncs import counted_host_syncs
 from megatron_r3.rl.trainer.policy_trainer import PolicyUpdateSettings, PolicyLoss
 from megatron_r3.rl.trainer.training_stack import on_training_stream
 from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
-from megatron_r3.routing_replay import chunk_moe_layers, host_counts_refused
+from megatron_r3.routing_replay import chunk_moe_layers
 
 GRAPHED = "+graph"
 VARIANTS = ("live", "upstream", "replay", "replay+host-splits", "replay+host-splits-unchecked",
@@ -401,7 +402,7 @@ def main(argv=None):
             raise SystemExit(f"bench.step: unknown --variants {sorted(unknown)}; choose from {variants}")
         variants = tuple(v for v in variants if v in chosen)
     skipped = []
-    why = host_counts_refused(config)
+    why = host_counts_unsupported(config)
     if why is not None:  # the core refuses host counts here: those variants cannot run
         skipped.append(f"Skipped the replay+host-splits variants: {why}.")
         variants = tuple(v for v in variants if not v.startswith("replay+host-splits"))

@@ -22,15 +22,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting, host_counts_unsupported
+from megatron.core.transformer.moe.moe_routing import NO_ROUTE, MoERouting
 
 __all__ = [
     "NO_ROUTE",
     "MoERouting",
     "add_routing_replay_args",
     "chunk_moe_layers",
-    "host_counts_refused",
     "RoutingReplaySettings",
     "moe_routing_for_chunk",
 ]
@@ -46,11 +44,6 @@ def _language_model(model_chunk):
     return module
 
 
-def host_counts_refused(config) -> Optional[str]:
-    """Why this process's MoE layers cannot take host token counts, or None: Megatron's
-    ``host_counts_unsupported`` for the expert tensor-and-model-parallel group of its parallel
-    state (the group the models built here dispatch over)."""
-    return host_counts_unsupported(config, parallel_state.get_expert_tensor_and_model_parallel_world_size())
 
 
 def chunk_moe_layers(model_chunk) -> list:
@@ -93,7 +86,7 @@ def moe_routing_for_chunk(
             token counts of every rank of the expert tensor-and-model-parallel group, when
             every token replays a route, the same matrix on every rank of the group (the
             all-gather of :mod:`megatron_r3.dataplane.device.expert_counts` gives it), and only where
-            :func:`host_counts_refused` is None for the model's config: the alltoall
+            Megatron's ``host_counts_unsupported`` is None for the model's config: the alltoall
             dispatcher then takes its split sizes from the host, with no device sync. They
             are trusted until ``MoERouting.verify()`` (counts right in sum but wrong per expert
             send tokens to the wrong experts): call it after the pass, where the host waits anyway.

@@ -62,14 +62,12 @@ def test_the_same_matrix_on_every_rank_passes():
     assert run_workers(_worker, 2, None) == [None, None]
 
 
-class _Permuted(Exception):
-    """The dispatch took the host counts and reached the permutation."""
-
-
 def _fused_dispatch_worker():
-    """A dispatcher over 2 tp_ep ranks (EP=2 in the parallel state) under a config that says
-    expert_model_parallel_size=1, with the fused permutation and host counts. Returns the
-    dispatcher's error, or "permuted" where it took the counts."""
+    """A dispatcher over 2 tp_ep ranks with 2 local experts each, under moe_permute_fusion: one
+    dispatch and combine with host counts and one counted by the dispatcher, TE's fused
+    permutation and sort played by Megatron's unfused ones (what the dispatcher hands the fused
+    sort is what is checked here; the GPU tests run TE's kernels). Returns the two expert-side
+    inputs and outputs, the counts per local expert, and the split sizes the fused sorts got."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -87,39 +85,58 @@ def _fused_dispatch_worker():
         dispatcher = MoEAlltoAllTokenDispatcher(
             len(local), local, config, moe_utils.get_default_pg_collection()
         )
-        assert dispatcher.tp_size * dispatcher.ep_size == 2
-        # The fused permutation needs TransformerEngine to build; the dispatch only reads the flag.
-        config.moe_permute_fusion = True
+        assert dispatcher.tp_size * dispatcher.ep_size == 2 and dispatcher.sort_by_local_expert
+        config.moe_permute_fusion = True  # set after the build: the fused permutation needs TE to build
+        sorted_by = []
 
-        def permute(*args, **kwargs):
-            raise _Permuted
+        def unfused(function, record=False):
+            def call(*args, fused, **kwargs):
+                assert fused
+                if record:
+                    sorted_by.append(args[1].clone())
+                return function(*args, fused=False, **kwargs)
+            return call
 
-        token_dispatcher.permute = permute
-        ids = torch.rand(6, num_experts, generator=torch.Generator().manual_seed(rank))
-        ids = ids.topk(topk, dim=-1).indices
-        routing_map = torch.zeros(6, num_experts, dtype=torch.bool).scatter(1, ids, True)
+        token_dispatcher.permute = unfused(moe_utils.permute)
+        token_dispatcher.unpermute = unfused(moe_utils.unpermute)
+        token_dispatcher.sort_chunks_by_idxs = unfused(moe_utils.sort_chunks_by_idxs, record=True)
+        gen = torch.Generator().manual_seed(rank)
+        ids = torch.rand(7, num_experts, generator=gen).topk(topk, dim=-1).indices  # 7 tokens: odd
+        routing_map = torch.zeros(7, num_experts, dtype=torch.bool).scatter(1, ids, True)
+        probs = routing_map.float() / topk
+        tokens = torch.randn(7, hidden, generator=gen)
         own = torch.bincount(ids.flatten(), minlength=num_experts)
         matrix = [torch.empty_like(own) for _ in range(2)]
         dist.all_gather(matrix, own)
-        try:
-            dispatcher.dispatch_preprocess(
-                torch.randn(6, hidden), routing_map, routing_map.float() / topk,
-                host_tokens_per_expert=torch.stack(matrix),
-            )
-        except ValueError as err:
-            return str(err)
-        except _Permuted:
-            return "permuted"
-        return "dispatched"
+        results = {}
+        for name, counts in (("host", torch.stack(matrix)), ("device", None)):
+            sorted_by.clear()
+            hidden_states, probs_out = dispatcher.dispatch_preprocess(
+                tokens, routing_map, probs, host_tokens_per_expert=counts)
+            hidden_states, probs_out = dispatcher.token_dispatch(hidden_states, probs_out)
+            expert_in, per_expert, _ = dispatcher.dispatch_postprocess(hidden_states, probs_out)
+            out = dispatcher.combine_postprocess(dispatcher.token_combine(
+                dispatcher.combine_preprocess(expert_in * 2)))
+            results[name] = (dispatcher.counts_on_host, expert_in, out, per_expert.cpu(),
+                             [s.cpu() for s in sorted_by])
+        return results, tokens
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.slow
-def test_a_dispatcher_of_two_ranks_refuses_host_counts_with_the_fused_permutation():
-    """The fused sort by local expert takes device split sizes, so host counts are refused over
-    more than one tp_ep rank: the dispatcher's own group of 2 decides, not the config's
-    expert_tensor_parallel_size * expert_model_parallel_size of 1 (sized from the config, the
-    counts were taken and the dispatch reached the permutation)."""
-    errors = run_workers(_fused_dispatch_worker, 2)
-    assert all("moe_permute_fusion" in e for e in errors), errors
+def test_a_dispatcher_of_two_ranks_takes_host_counts_under_the_fused_permutation():
+    """Under moe_permute_fusion the sort by local expert takes its split sizes from the host
+    counts (on the device where there is one): the same expert inputs, counts and combined
+    outputs as the dispatch that counts on the device, over 2 tp_ep ranks and an odd token count."""
+    for results, tokens in run_workers(_fused_dispatch_worker, 2):
+        host, device = results["host"], results["device"]
+        assert (host[0], device[0]) == (True, False)
+        for got, want in zip(host[1:4], device[1:4]):
+            assert torch.equal(got, want)
+        assert len(host[4]) == len(device[4]) == 2  # the sort after dispatch and the one before combine
+        for got, want in zip(host[4], device[4]):
+            assert torch.equal(got, want)
+        # Each token went to 2 experts and came back doubled from each; the combine sums them (the
+        # probabilities are the experts' to apply): 4 x the token, in its own place.
+        torch.testing.assert_close(host[2], 4 * tokens)

@@ -132,11 +132,15 @@ def test_te_packed_layout_replays_forced_routes(name, thd_reference):
     _assert_close(result, thd_reference)
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(ep=2, dp=2, dispatcher="alltoall")],
-                         ids=lambda layout: layout.name)
-def test_te_host_split_sizes_replay_forced_routes(layout, bshd_reference):
+@pytest.mark.parametrize("layout, flags", [
+    (Layout(), ()),
+    (Layout(ep=2, dp=2, dispatcher="alltoall"), ()),
+    # TE's fused sort by local expert reads the split sizes on the device: copied there from the host counts.
+    (Layout(ep=2, dp=2, dispatcher="alltoall"), ("--moe-permute-fusion",)),
+], ids=["single", "ep2-dp2-alltoall", "ep2-dp2-alltoall-permute-fusion"])
+def test_te_host_split_sizes_replay_forced_routes(layout, flags, bshd_reference):
     """The alltoall dispatcher's sync-free path (split sizes from host token counts) under TE's layers."""
-    result = _result(_run(layout, BSHD_DATA, _step(), BSHD_FORCED, host_counts=True), BSHD_DATA, BSHD_FORCED)
+    result = _result(_run(layout, BSHD_DATA, _step(*flags), BSHD_FORCED, host_counts=True), BSHD_DATA, BSHD_FORCED)
     _assert_close(result, bshd_reference)
 
 

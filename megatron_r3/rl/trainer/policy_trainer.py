@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.core.transformer.moe.moe_routing import host_counts_unsupported
 
 from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
@@ -61,7 +62,6 @@ from megatron_r3.rl.trainer.policy_loss import clipped_policy_loss_sums
 from megatron_r3.rl.trainer.routing_agreement import routing_agreement_counts
 from megatron_r3.rl.trainer.training_stack import TrainingStack
 from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs
-from megatron_r3.routing_replay import host_counts_refused
 
 REPLAY_MODES = ("r3", "r2")
 
@@ -137,7 +137,7 @@ class PolicyTrainer:
         self.settings = settings
         exchange = None
         replays_rollout_routes = settings.replay_mode == "r3" or (settings.compare and not settings.trains_with_replay)
-        if replays_rollout_routes and host_counts_refused(config) is None:
+        if replays_rollout_routes and host_counts_unsupported(config) is None:
             # Host token counts for the sync-free dispatch (a collective to build: every rank builds it).
             exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                            spec.num_experts)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_routing import host_counts_unsupported
 
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.filler_routes import (
@@ -28,7 +29,6 @@ from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
 from megatron_r3.rl.model.passes import run_pass, token_logprobs
-from megatron_r3.routing_replay import host_counts_refused
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.tiny_moe import TinyMoE, build_gpt
@@ -134,7 +134,7 @@ def filler_worker(layout, samples):
                          SEQ_LENGTH, MICRO_BATCH, device)
         spec = RoutingSpec(MODEL.num_layers, MOE_LAYERS, MODEL.num_experts, MODEL.topk)
         exchange = None
-        if host_counts_refused(config) is None:  # the allgather dispatcher takes no host counts
+        if host_counts_unsupported(config) is None:  # the allgather dispatcher takes no host counts
             exchange = ExpertCountExchange(parallel_state.get_expert_tensor_and_model_parallel_group(),
                                            MODEL.num_experts)
         pipeline = MicrobatchPipeline(rows, spec, exchange)

@@ -940,50 +940,32 @@ class TestHostTokensPerExpert:
             run_model(_gpt(_config()), batch, routing, backward=False)
 
     @pytest.mark.parametrize(
-        "option, tp_ep_size, reason",
+        "option, reason",
         [
-            (dict(moe_token_dispatcher_type="allgather"), 1, "only 'alltoall'"),
-            (dict(moe_permute_fusion=True), 2, "moe_permute_fusion changes"),
+            (dict(moe_token_dispatcher_type="allgather"), "only 'alltoall'"),
+            (dict(moe_router_padding_for_quantization=True), "padding_for_quantization changes"),
         ],
-        ids=["allgather", "permute_fusion-tp_ep2"],
+        ids=["allgather", "padding_for_quantization"],
     )
-    def test_configurations_without_host_counts_refuse_them(self, option, tp_ep_size, reason):
+    def test_configurations_without_host_counts_refuse_them(self, option, reason):
         batch = make_batch()
         model = _gpt(_config())
         for name, value in option.items():
-            # Set after the build (the fused permutation needs TransformerEngine to be built):
-            # the check before any layer runs reads the model's config, and the tp_ep group
-            # size from the counts' first dimension.
+            # Set after the build: the check before any layer runs reads the model's config.
             setattr(model.config, name, value)
-        routing = self._routing(batch, lambda counts: counts.expand(tp_ep_size, -1, -1))
+        routing = self._routing(batch)
         with pytest.raises(ValueError, match=f"host_tokens_per_expert cannot be used: .*{reason}"):
             run_model(model, batch, routing, backward=False)
 
-    @pytest.mark.parametrize("tp_ep_size, refused", [(1, False), (2, True), (4, True)])
-    def test_the_fused_permutation_takes_host_counts_at_one_tp_ep_rank_only(
-        self, tp_ep_size, refused
-    ):
-        """From one tp_ep rank the fused permutation needs no split sizes (none to send, no
-        sort by local expert); from more, its sort takes them on the device."""
-        config = _config()
-        assert host_counts_unsupported(config, tp_ep_size) is None
-        config.moe_permute_fusion = True  # set after the build: see above
-        why = host_counts_unsupported(config, tp_ep_size)
-        assert (why is not None) == refused
-        if refused:
-            assert why.startswith("moe_permute_fusion")
-
-    def test_the_dispatcher_sizes_the_group_from_its_own_process_groups(self, monkeypatch):
-        """A dispatcher of one tp_ep rank takes host counts under the fused permutation, whatever
-        expert_tensor_parallel_size * expert_model_parallel_size the config says (a model built
-        with its own process groups). Sized from the config, this dispatch was refused."""
+    def test_the_fused_permutation_takes_host_counts(self, monkeypatch):
+        """Under moe_permute_fusion the dispatch takes host counts and reaches the fused
+        permutation (over two tp_ep ranks: tests/test_host_counts_across_ranks.py)."""
         config = _config()
         dispatcher = MoEAlltoAllTokenDispatcher(
             NUM_EXPERTS, list(range(NUM_EXPERTS)), config, moe_utils.get_default_pg_collection()
         )
-        assert dispatcher.tp_size * dispatcher.ep_size == 1
-        config.moe_permute_fusion = True  # set after the build: see above
-        config.expert_model_parallel_size = 2
+        config.moe_permute_fusion = True  # set after the build: it needs TransformerEngine to build
+        assert host_counts_unsupported(config) is None
 
         class Permuted(Exception):
             """The dispatch took the counts and reached the (fused) permutation."""
