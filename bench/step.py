@@ -4,7 +4,8 @@
     python -m bench.step --data full --out build/bench/step-ep1.md           # every token routed
     torchrun --nproc-per-node 2 -m bench.step --ep 2 --data rollout --out build/bench/loop-ep2.md
 
-The same MoE GPT (the launcher's model: every layer MoE, alltoall dispatcher, grouped
+The same MoE GPT (the launcher's model: every layer MoE, the alltoall dispatcher or
+``--moe-token-dispatcher-type allgather``, grouped
 experts, bf16; by default 8 layers of a Qwen3-30B-A3B-like shape: hidden 2048, 32 heads in 4
 query groups, 128 experts top-8 by softmax with SwiGLU FFNs of 768, and TransformerEngine's layers where
 TE is installed, ``--transformer-impl``; or a HybridModel of ``--hybrid-layer-pattern``) runs the trainer's update pass (forward and backward of
@@ -132,6 +133,9 @@ def parse_args(argv=None):
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                         help="the layers (default: TransformerEngine's where installed, as the launcher)")
+    parser.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall",
+                        help="the launcher's flag: allgather moves every token to every expert rank, in shapes "
+                             "that do not depend on the routes")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
     parser.add_argument("--moe-router-fusion", action="store_true",
                         help="TE's fused top-k and score function (replayed microbatches take the unfused path)")
@@ -174,7 +178,7 @@ def initialize(args) -> torch.device:
 
 
 def build_model(args, device):
-    """The launcher's model for these sizes (bf16, alltoall, every layer MoE, replay-capable)."""
+    """The launcher's model for these sizes (bf16, every layer MoE, replay-capable)."""
     layers = (["--num-layers", str(args.num_layers)] if args.hybrid_layer_pattern is None
               else ["--hybrid-layer-pattern", args.hybrid_layer_pattern])
     flags = arguments.parse_args([
@@ -186,6 +190,7 @@ def build_model(args, device):
         "--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size), "--vocab-size", str(args.vocab_size),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--expert-model-parallel-size", str(args.ep), "--bf16", "--moe-enable-routing-replay",
+        "--moe-token-dispatcher-type", args.moe_token_dispatcher_type,
         "--init-method-std", "0.02",
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
@@ -515,7 +520,8 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, pre
         f"Model: {model_description(args)}, hidden {args.hidden_size}, {args.num_attention_heads} heads in "
         f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
         f"({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size} "
-        f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, layers "
+        f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, "
+        f"{config.moe_token_dispatcher_type} dispatcher, layers "
         f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}"
         f"{', router fusion' if config.moe_router_fusion else ''}, experts `{experts}`; "
         f"{args.microbatches} microbatches per rank, each a row of {args.seq_length} tokens holding "

@@ -58,7 +58,8 @@ def test_the_kernel_table_gives_each_kernels_share_of_all_kernels_time():
     assert rows[1] == "| `'attn'` | 2 | 3.00 | 30.0% |"
 
 
-def test_a_cpu_run_reports_each_variants_largest_operators_most_first(tmp_path):
+def _cpu_run(tmp_path, *flags) -> str:
+    """A one-pass CPU run of bench.step on a tiny model; its markdown report."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -68,11 +69,15 @@ def test_a_cpu_run_reports_each_variants_largest_operators_most_first(tmp_path):
         [sys.executable, "-m", "bench.step", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-ffn-hidden-size", "32", "--seq-length", "128", "--micro-batch-size", "2", "--microbatches", "2",
-         "--vocab-size", "128", "--rounds", "1", "--steps", "1", "--warmup", "1", "--variants", "replay",
-         "--profile-device", "4", "--out", str(out)],
+         "--vocab-size", "128", "--rounds", "1", "--steps", "1", "--warmup", "1", *flags, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = out.read_text()
+    return out.read_text()
+
+
+def test_a_cpu_run_reports_each_variants_largest_operators_most_first(tmp_path):
+    report = _cpu_run(tmp_path, "--variants", "replay", "--profile-device", "4")
+    assert "alltoall dispatcher" in report
     for variant in ("live", "upstream", "replay"):
         head = f"Where one `{variant}` pass spends its time: the 4 largest of its "
         assert report.count(head) == 1
@@ -85,3 +90,12 @@ def test_a_cpu_run_reports_each_variants_largest_operators_most_first(tmp_path):
         # each share is of the sum over all operators (figures rounded to 0.01 ms and 0.1%)
         assert all(abs(float(row[3].removesuffix("%")) - 100 * m / total) <= 0.1 for row, m in zip(rows, ms))
         assert all(row[0].startswith("`") and int(row[1]) >= 1 for row in rows)
+
+
+def test_the_allgather_dispatcher_runs_and_skips_the_host_split_variants_with_the_cores_reason(tmp_path):
+    report = _cpu_run(tmp_path, "--moe-token-dispatcher-type", "allgather", "--variants", "replay,replay+host-splits")
+    assert "allgather dispatcher" in report
+    assert ("Skipped the replay+host-splits variants: moe_token_dispatcher_type='allgather' takes no host counts "
+            "(only 'alltoall' does).") in report
+    rows = [row.split("|")[1].strip() for row in report.splitlines() if row.startswith("| ")]
+    assert rows[1:] == ["live", "upstream", "replay"]  # the header first
