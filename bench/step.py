@@ -137,6 +137,7 @@ def parse_args(argv=None):
                         help="the launcher's flag: allgather moves every token to every expert rank, in shapes "
                              "that do not depend on the routes")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
+    parser.add_argument("--apply-rope-fusion", action="store_true", help="TE's fused rotary embedding")
     parser.add_argument("--moe-router-fusion", action="store_true",
                         help="TE's fused top-k and score function (replayed microbatches take the unfused path)")
     parser.add_argument("--moe-grouped-gemm-impl", choices=("transformer_engine", "torch"), default=None,
@@ -195,6 +196,7 @@ def build_model(args, device):
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
+        *(["--apply-rope-fusion"] if args.apply_rope_fusion else []),
         *(["--moe-router-fusion"] if args.moe_router_fusion else []),
         *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])
@@ -523,7 +525,8 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, pre
         f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, "
         f"{config.moe_token_dispatcher_type} dispatcher, layers "
         f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}"
-        f"{', router fusion' if config.moe_router_fusion else ''}, experts `{experts}`; "
+        f"{', router fusion' if config.moe_router_fusion else ''}"
+        f"{', rope fusion' if config.apply_rope_fusion else ''}, experts `{experts}`; "
         f"{args.microbatches} microbatches per rank, each a row of {args.seq_length} tokens holding "
         f"{args.micro_batch_size} samples: {data}. {args.rounds} rounds x {args.steps} passes per variant. "
         f"Model FLOPs per pass and rank: {flops / 1e12:.2f} TFLOP over {tokens} tokens (3x the forward's "

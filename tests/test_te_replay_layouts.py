@@ -115,6 +115,10 @@ THD_LAYOUTS = {
     "cp2-thd-p2p": (Layout(cp=2, packed=True), ("--cp-comm-type", "p2p")),
     "cp2-thd-a2a": (Layout(cp=2, packed=True), ("--cp-comm-type", "a2a")),
     "tp2-sp-thd": (Layout(tp=2, sp=True, packed=True), ()),
+    # TE's fused rotary embedding on packed rows, against the unfused reference: the same positions (each sequence
+    # from 0; under CP each rank's two chunks of it).
+    "thd-rope-fusion": (Layout(packed=True), ("--apply-rope-fusion",)),
+    "cp2-thd-p2p-rope-fusion": (Layout(cp=2, packed=True), ("--cp-comm-type", "p2p", "--apply-rope-fusion")),
 }
 
 

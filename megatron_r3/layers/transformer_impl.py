@@ -35,7 +35,7 @@ GROUPED_GEMM_IMPLS = ("transformer_engine", "torch")
 # TransformerEngine's switch for GroupedLinear's grouped-tensor GEMM (its one-kernel grouped GEMM).
 TE_FUSED_GROUPED_GEMM_ENV = "NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM"
 # Flags whose feature exists only in TransformerEngine's layers.
-TE_ONLY_FLAGS = ("moe_permute_fusion", "moe_router_fusion")
+TE_ONLY_FLAGS = ("moe_permute_fusion", "moe_router_fusion", "apply_rope_fusion")
 
 
 def transformer_engine_installed() -> bool:

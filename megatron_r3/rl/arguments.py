@@ -136,6 +136,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="TransformerEngine attention's context-parallel communication (TE layers only)")
     model.add_argument("--moe-permute-fusion", action="store_true",
                        help="TransformerEngine's fused permutation of tokens to experts (TE only)")
+    model.add_argument("--apply-rope-fusion", action="store_true",
+                       help="TransformerEngine's fused rotary embedding, one kernel for a packed THD row (TE only; "
+                            "Megatron-LM's default, whose --no-rope-fusion turns it off)")
     model.add_argument("--moe-router-fusion", action="store_true",
                        help="TransformerEngine's fused top-k and score function (TE only); live microbatches "
                             "take the fused kernel, replayed or recorded ones the unfused top-k (the fused "
@@ -485,6 +488,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         cp_comm_type=args.cp_comm_type,
         moe_permute_fusion=args.moe_permute_fusion,
         moe_router_fusion=args.moe_router_fusion,
+        apply_rope_fusion=args.apply_rope_fusion,
         swiglu=args.swiglu,
         normalization=args.normalization,
         init_method_std=args.init_method_std,

@@ -9,7 +9,7 @@ from megatron_r3.rl.arguments import model_settings, parse_args
 from megatron_r3.rl.model.factory import transformer_config
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
-NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False}
+NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False, "apply_rope_fusion": False}
 
 
 def launcher_config(flags, device=CPU, **kwargs):
@@ -36,7 +36,7 @@ def test_transformer_engine_is_refused_where_it_cannot_run(monkeypatch):
         resolve_transformer_impl("transformer_engine", GPU, NO_FUSIONS)
 
 
-@pytest.mark.parametrize("flag", ["--moe-permute-fusion", "--moe-router-fusion"])
+@pytest.mark.parametrize("flag", ["--moe-permute-fusion", "--moe-router-fusion", "--apply-rope-fusion"])
 def test_te_only_options_are_refused_with_the_local_layers(flag):
     with pytest.raises(ValueError, match=f"{flag} needs TransformerEngine's layers"):
         launcher_config([flag, "--transformer-impl", "local"])

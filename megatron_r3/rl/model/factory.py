@@ -92,7 +92,8 @@ class ModelSettings:
         hybrid_layer_pattern: Build a HybridModel of this pattern (Megatron-LM's syntax), not a GPTModel.
         moe_grouped_gemm_impl: Who runs grouped experts with TransformerEngine's layers (None: TE's).
         transformer_impl: ``"transformer_engine"``, ``"local"`` or None (TransformerEngine's where it runs).
-        cp_comm_type, moe_permute_fusion, moe_router_fusion: TransformerEngine's layers only.
+        cp_comm_type, moe_permute_fusion, moe_router_fusion, apply_rope_fusion: TransformerEngine's
+            layers only.
         swiglu: Gated SiLU MLPs and experts, else GeLU.
         bf16: bf16 parameters and activations; None: with TransformerEngine's layers only.
         vocab_size: The embedding's and output layer's rows.
@@ -120,6 +121,7 @@ class ModelSettings:
     cp_comm_type: str
     moe_permute_fusion: bool
     moe_router_fusion: bool
+    apply_rope_fusion: bool
     swiglu: bool
     normalization: str
     init_method_std: float
@@ -167,7 +169,7 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
             engine records its routes).
         **fields: ``TransformerConfig`` fields ``model`` does not set (router variants the launcher does
             not offer, ``recompute_modules``, ...); they replace the fixed choices here (no
-            load-balancing loss, no dropout, no fusions). A field ``model`` sets is refused: set it there.
+            load-balancing loss, no dropout, no fusions but TE's that the flags ask for). A field ``model`` sets is refused: set it there.
 
     Raises:
         ValueError: ``fields`` names a field ``model`` sets, or the layers asked for cannot run here
@@ -226,7 +228,6 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
         # The loss is a sum over tokens; the step divides by the iteration's token count.
         calculate_per_token_loss=True,
