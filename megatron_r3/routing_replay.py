@@ -44,8 +44,6 @@ def _language_model(model_chunk):
     return module
 
 
-
-
 def chunk_moe_layers(model_chunk) -> list:
     """The MoE layers a model chunk (GPTModel or HybridModel) builds: global 1-based layer numbers,
     increasing. MTP layers are not included: the routes of a chunk cover its decoder's MoE layers."""

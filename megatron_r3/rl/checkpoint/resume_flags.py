@@ -44,7 +44,8 @@ RESUMABLE_FLAGS = frozenset({
     "recompute_method", "recompute_num_layers", "distributed_backend",
     # implementations of the same model and the same sampling
     "transformer_impl", "moe_grouped_gemm", "moe_grouped_gemm_impl", "moe_token_dispatcher_type", "cp_comm_type",
-    "moe_permute_fusion", "moe_router_fusion", "apply_rope_fusion", "bf16", "init_method_std", "max_position_embeddings",
+    "moe_permute_fusion", "moe_router_fusion", "apply_rope_fusion", "bf16", "init_method_std",
+    "max_position_embeddings",
     "rollout_engine", "rollout_cuda_graphs", "inference_cuda_graph_scope", "trainer_cuda_graphs", "r3_compare",
     "moe_routing_replay_check_values", "moe_check_host_tokens_per_expert",
     # the batch and the iterations

@@ -169,7 +169,8 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
             engine records its routes).
         **fields: ``TransformerConfig`` fields ``model`` does not set (router variants the launcher does
             not offer, ``recompute_modules``, ...); they replace the fixed choices here (no
-            load-balancing loss, no dropout, no fusions but TE's that the flags ask for). A field ``model`` sets is refused: set it there.
+            load-balancing loss, no dropout, no fusions but TE's that the flags ask for). A field
+            ``model`` sets is refused: set it there.
 
     Raises:
         ValueError: ``fields`` names a field ``model`` sets, or the layers asked for cannot run here
