@@ -18,6 +18,10 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   RL loop's rollout collection, data preparation, ...), and where they log the engine's steps
   (``--inference-logging-step-interval 1``), the steps per rollout collection (the generation lengths,
   which sampling sets) and the time of a decode step at equal active requests (replay's cost in the engine).
+  ``--frozen-policy`` trains those runs at learning rate 0: the replay run and the live run then sample from the
+  same policy at every iteration, so their rollouts do not drift apart, and where the engine's steps are logged
+  the report counts the iterations whose collections ran the same steps in both (the same generation lengths):
+  step times compared like for like, which sampling otherwise moves by more than replay does.
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -157,6 +161,36 @@ def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
     return [s[1:] for s in steps if s[0] == rank and s[1] <= last]
 
 
+# Learning rate 0 (Adam, its weight decay scaled by it, moves no weight): every iteration samples from the same policy.
+FROZEN_POLICY_ARGS = "--lr 0.0 --min-lr 0.0"
+
+
+def collection_steps(log: str, skip: int) -> dict[int, tuple[tuple[bool, int], ...]]:
+    """Per iteration after ``skip``, its rollout collection's engine steps as (decode-only, active requests)."""
+    steps = {}
+    for iteration, _, decode_only, active in engine_steps(log, skip):
+        steps.setdefault(iteration, []).append((decode_only, active))
+    return {iteration: tuple(kinds) for iteration, kinds in steps.items()}
+
+
+def same_rollout_notes(logs: dict[bool, list[str]], skip: int) -> list[str]:
+    """Where the runs logged the engine's steps: in how many iterations the replay run's and the live run's rollout
+    collections (round by round) ran the same engine steps with the same active requests, i.e. generated the same
+    lengths. Where all did, the two runs' step times compare the same work but for replay."""
+    same = compared = 0
+    for replay_log, live_log in zip(logs[True], logs[False]):
+        replay, live = collection_steps(replay_log, skip), collection_steps(live_log, skip)
+        common = set(replay) & set(live)
+        compared += len(common)
+        same += sum(replay[i] == live[i] for i in common)
+    if not compared:
+        return []
+    return [f"Rollout collections of the replay and the live runs, iteration by iteration: the same engine steps "
+            f"(active requests at each) in {same} of {compared}"
+            + (": the two sides generated the same lengths." if same == compared else
+               "; where they differ, sampling set part of the step-time difference.")]
+
+
 def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, int]) -> list[str]:
     """Where the runs logged the engine's steps: the steps per rollout collection (the generation lengths, which
     sampling sets) and the time of a decode step at the same number of active requests on both sides (live's
@@ -215,15 +249,17 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
 
 
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
-        tag: str, init: Path | None = None) -> tuple[str, str, float]:
-    """One run of the example; its command as the report prints it, its log and its wall time."""
+        tag: str, init: Path | None = None, extra_args: str = "") -> tuple[str, str, float]:
+    """One run of the example (``extra_args`` after the caller's EXTRA_ARGS); its command as the report prints it,
+    its log and its wall time."""
     settings = dict(NPROC=nproc, ITERS=iters, SEQ_LEN=seq_len, REPLAY=int(replay), METRICS=int(metrics))
     if init is not None:
         settings["INIT"] = init
     # The example resumes from its folder's checkpoints: a bench run starts from nothing of an earlier one.
     shutil.rmtree(out / tag, ignore_errors=True)
     env = dict(os.environ, **{k: str(v) for k, v in settings.items()})
-    if env.get("EXTRA_ARGS"):  # passed through to the example: the report names it
+    env["EXTRA_ARGS"] = " ".join(filter(None, [env.get("EXTRA_ARGS", ""), extra_args]))
+    if env["EXTRA_ARGS"]:  # passed through to the example: the report names it
         settings["EXTRA_ARGS"] = f'"{env["EXTRA_ARGS"]}"'
     command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
@@ -322,7 +358,7 @@ def from_step_logs(replay_log: Path, live_log: Path, out: Path, skip: int, overw
     table = [*TABLE_HEAD, *step_rows(logs, skip)]
     report = [f"## train_rl.py step time with and without routing replay, from `{replay_log}` and `{live_log}`", "",
               f"`python -m bench.megatron_rl --from-step-logs {replay_log} {live_log} --skip {skip} --out {out}`",
-              "", *table, ""]
+              "", *table, "", *same_rollout_notes(logs, skip), ""]
     write_report(out, report, overwrite)
 
 
@@ -337,6 +373,9 @@ def main(argv=None):
                         help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
     parser.add_argument("--rounds", type=int, help="replay/live pairs of step-time runs (default 2; 0: none)")
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
+    parser.add_argument("--frozen-policy", action="store_true",
+                        help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
+                             "replay and live sample from the same policy throughout")
     parser.add_argument("--init", type=Path, help="a checkpoint to start every run from (INIT of the example)")
     parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report (and OUT with .jsonl)")
@@ -346,6 +385,8 @@ def main(argv=None):
     parser.add_argument("--from-step-logs", type=Path, nargs=2, metavar=("REPLAY_LOG", "LIVE_LOG"),
                         help="run nothing: the step-time report from the logs of an earlier replay run and live run")
     args = parser.parse_args(argv)
+    if args.frozen_policy and (args.from_step_logs is not None or args.from_log is not None):
+        parser.error("--frozen-policy sets how the step-time runs train: --from-log and --from-step-logs run nothing")
     if args.from_step_logs is not None:
         if args.from_log is not None or args.rounds:
             parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
@@ -368,6 +409,8 @@ def main(argv=None):
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
     if args.init is not None:
         flags += f" --init {args.init}"
+    if args.frozen_policy:
+        flags += " --frozen-policy"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
@@ -381,11 +424,13 @@ def main(argv=None):
     for round_index in range(args.rounds):
         for replay in (True, False):
             command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
-                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init)
+                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
+                                     extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")
             report.append(f"    {command}    # {wall:.0f} s")
             logs[replay].append(log)
     if args.rounds:
         table += step_rows(logs, args.skip)
+        notes += same_rollout_notes(logs, args.skip)
     report += ["", *table, "", *notes, ""]
     write_report(args.out, report, args.overwrite, records)
 

@@ -425,7 +425,7 @@ def test_the_bench_reports_the_engine_steps_per_collection_and_a_decode_step_at_
 
 
 def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, monkeypatch):
-    from bench.megatron_rl import run
+    from bench.megatron_rl import FROZEN_POLICY_ARGS, run
 
     tree = tmp_path / "Megatron-LM"
     (tree / "megatron" / "rl").mkdir(parents=True)
@@ -444,6 +444,47 @@ def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, mon
     assert command.startswith('NPROC=1 ITERS=3 SEQ_LEN=384 REPLAY=0 METRICS=0 EXTRA_ARGS="--timing-log-level 1" ')
     assert "train_rl.py" in log and log.rstrip().endswith("--timing-log-level 1")
     assert "--moe-enable-routing-replay" not in log
+    # --frozen-policy's learning rate 0 comes after the caller's EXTRA_ARGS and after the example's own --lr,
+    # which argparse lets the last one win
+    command, log, _ = run(tmp_path / "runs", 1, 3, 384, replay=True, metrics=False, tag="time-live-0",
+                          extra_args=FROZEN_POLICY_ARGS)
+    assert 'EXTRA_ARGS="--timing-log-level 1 --lr 0.0 --min-lr 0.0" ' in command
+    words = log.split()
+    assert words[len(words) - 1 - words[::-1].index("--lr") + 1] == "0.0" and "--moe-enable-routing-replay" in words
+    assert log.rstrip().endswith("--timing-log-level 1 --lr 0.0 --min-lr 0.0")
+
+
+def test_the_bench_counts_the_iterations_whose_rollouts_ran_the_same_engine_steps_on_both_sides(tmp_path):
+    from bench.megatron_rl import main as bench_main
+
+    step = " [2026-11-30 10:00:00.000000] iteration {:8d}/{:8d} | elapsed time per iteration (ms): {:.1f} |"
+
+    def log(collections):
+        lines, count = [], 0
+        for it, collection in enumerate(collections, start=1):
+            for decode, active in collection:
+                count += 1
+                lines.append(engine_line(0, count, 10.0 if decode else 50.0, decode, active))
+            lines.append(step.format(it, len(collections), 1000.0))
+        return "\n".join(lines)
+
+    prefill, decode = (False, 32), (True, 32)
+    same = [[prefill, decode], [prefill, decode, (True, 2)], [prefill, decode, decode]]
+    (tmp_path / "replay.log").write_text(log(same))
+    (tmp_path / "live.log").write_text(log(same))
+    out = tmp_path / "step.md"
+    bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--skip", "1",
+                "--out", str(out)])
+    assert "the same engine steps (active requests at each) in 2 of 2: the two sides generated the same lengths." \
+        in out.read_text()
+    # one request more still active at one step of iteration 3: not the same rollouts
+    (tmp_path / "live.log").write_text(log(same[:2] + [[prefill, decode, (True, 33)]]))
+    bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--skip", "1",
+                "--out", str(out), "--overwrite"])
+    assert "in 1 of 2; where they differ, sampling set part of the step-time difference." in out.read_text()
+    with pytest.raises(SystemExit):
+        bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--frozen-policy",
+                    "--out", str(out), "--overwrite"])
 
 
 def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
