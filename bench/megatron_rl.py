@@ -398,6 +398,8 @@ def main(argv=None):
             parser.error(f"--from-log {args.from_log}: no such file")
         return from_log(args.from_log, args.out, args.skip, args.overwrite)
     args.rounds = 2 if args.rounds is None else args.rounds
+    if args.frozen_policy and not args.rounds:
+        parser.error("--frozen-policy sets how the step-time runs train: --rounds 0 runs none")
     if "MEGATRON" not in os.environ:
         sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
     import torch

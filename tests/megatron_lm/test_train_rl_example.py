@@ -485,6 +485,8 @@ def test_the_bench_counts_the_iterations_whose_rollouts_ran_the_same_engine_step
     with pytest.raises(SystemExit):
         bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--frozen-policy",
                     "--out", str(out), "--overwrite"])
+    with pytest.raises(SystemExit):  # refused before it looks for MEGATRON or a GPU
+        bench_main(["--frozen-policy", "--rounds", "0", "--out", str(out), "--overwrite"])
 
 
 def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
