@@ -24,13 +24,18 @@ def publish_report(report: str, out: Optional[str]) -> None:
             f.write(report)
 
 
-def host_profile(fn, top: int) -> str:
-    """The ``top`` functions by their own host time over one call of fn (cProfile), as text."""
+CALLERS = 5  # entries of a host profile whose callers it names: what issued a library's busiest calls
+
+
+def host_profile(fn, top: int) -> tuple[str, str]:
+    """The ``top`` functions by their own host time over one call of fn (cProfile), and who called the first
+    :data:`CALLERS` of them (a torch dispatch or autograd entry says nothing until its caller is named), as text."""
     profiler = cProfile.Profile()
     profiler.runcall(fn)
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
+    own, callers = io.StringIO(), io.StringIO()
+    pstats.Stats(profiler, stream=own).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=callers).sort_stats("tottime").print_callers(min(top, CALLERS))
+    return own.getvalue(), callers.getvalue()
 
 
 def kernel_times(fn, on_gpu: bool) -> list[tuple[str, int, float]]:

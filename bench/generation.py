@@ -17,7 +17,7 @@ range over the rounds, and the ratio to the built-in engine. An engine that cann
 is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
 ``--profile-host N`` adds, per engine, the N functions the host spends most time in during one more
-``generate`` (cProfile): where a host-bound engine's time goes. ``--profile-device N`` adds, per engine, one
+``generate`` (cProfile), and who called the first five: where a host-bound engine's time goes. ``--profile-device N`` adds, per engine, one
 more ``generate`` under torch's profiler: the wall time, the sum of its kernels' own device times, and its N
 largest kernels (on a CPU, operators by CPU time): whether the device or the host sets the engine's rate.
 
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bench import host_profile, kernel_table, kernel_times, publish_report
+from bench import CALLERS, host_profile, kernel_table, kernel_times, publish_report
 from megatron_r3.dataplane.device.microbatches import RowLayout
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -71,7 +71,8 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--requests", type=int, default=64, help="requests with --prompt-tokens (default 64)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="after the timed rounds, one more generate per engine under cProfile: the report "
-                             "lists the N functions the host spends most time in (their own time)")
+                             "lists the N functions the host spends most time in (their own time) and who called "
+                             "the first five")
     parser.add_argument("--profile-device", type=int, default=0, metavar="N",
                         help="after the timed rounds, one more generate per engine under torch's profiler: the "
                              "report gives its wall and summed kernel time and its N largest kernels")
@@ -145,8 +146,9 @@ def main(argv=None) -> None:
     iteration = args.warmup + args.rounds + 1
     for name, engine in engines.items() if args.profile_host else ():
         engine.weights.advance()  # outside the profile, as outside the timed rounds
-        profile = host_profile(lambda: engine.generate(prompts, iteration), args.profile_host)
-        report += f"\nHost profile of one `{name}` generate (cProfile, by own time):\n\n```\n{profile.strip()}\n```\n"
+        own, callers = host_profile(lambda: engine.generate(prompts, iteration), args.profile_host)
+        report += (f"\nHost profile of one `{name}` generate (cProfile, by own time):\n\n```\n{own.strip()}\n```\n"
+                   f"\nWho called its first {min(args.profile_host, CALLERS)}:\n\n```\n{callers.strip()}\n```\n")
     for name, engine in engines.items() if args.profile_device else ():
         engine.weights.advance()
         report += "\n" + device_profile(name, lambda: engine.generate(prompts, iteration), args.profile_device,

@@ -144,7 +144,8 @@ def parse_args(argv=None):
                         help="who runs the grouped experts with TE's layers (the launcher's flag)")
     parser.add_argument("--profile-host", type=int, default=0, metavar="N",
                         help="print the N functions the host spends most time in (their own time, cProfile) during "
-                             "one pass of each variant, to find what a host-bound pass waits on")
+                             "one pass of each variant, and who called the first five, to find what a host-bound pass "
+                             "waits on")
     parser.add_argument("--profile-device", type=_count, default=0, metavar="N",
                         help="add to the report the N kernels with the most device time over one pass of each "
                              "variant (torch's profiler; on a CPU run, the N operators with the most CPU time), "
@@ -453,10 +454,10 @@ def main(argv=None):
             update_pass.settle(variant)
             for what, fn in (("prepare", partial(update_pass.plan, variant)),
                              ("pass", partial(update_pass, variant, update_pass.plan(variant)))):
-                text = host_profile(fn, args.profile_host)
+                own, callers = host_profile(fn, args.profile_host)
                 sync()
                 if rank == 0:
-                    print(f"--- host profile of one `{variant}` {what} ---\n{text}", flush=True)
+                    print(f"--- host profile of one `{variant}` {what} ---\n{own}\n{callers}", flush=True)
 
     per_round = {v: [] for v in variants}
     issue = {v: [] for v in variants}

@@ -43,6 +43,13 @@ def test_a_cpu_run_reports_the_host_profile_of_one_more_generate_per_engine(prof
     own = [float(row[1]) for row in rows]
     assert own == sorted(own, reverse=True)
     assert "| megatron | - | not run: it needs CUDA" in report
+    # who called those three: each of them, by name, followed by its callers
+    callers = report.split("Who called its first 3:\n\n```\n")[1].split("```")[0]
+    assert "was called by..." in callers
+    names = [line.split(None, 5)[5] for line in profile.splitlines()
+             if line.strip()[:1].isdigit() and "function calls" not in line]
+    for name in names:  # pstats prints a function's name beside its callers as it does in the list
+        assert any(line.startswith(name[:40]) for line in callers.splitlines()), name
 
 
 def test_a_cpu_run_reports_one_more_generates_wall_time_against_its_operators_and_the_largest(profiled_report):
