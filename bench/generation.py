@@ -17,9 +17,10 @@ range over the rounds, and the ratio to the built-in engine. An engine that cann
 is reported with the reason (:func:`megatron_r3.rl.rollout.megatron_engine.megatron_engine_problem`).
 
 ``--profile-host N`` adds, per engine, the N functions the host spends most time in during one more
-``generate`` (cProfile), and who called the first five: where a host-bound engine's time goes. ``--profile-device N`` adds, per engine, one
-more ``generate`` under torch's profiler: the wall time, the sum of its kernels' own device times, and its N
-largest kernels (on a CPU, operators by CPU time): whether the device or the host sets the engine's rate.
+``generate`` (cProfile), and who called the first five: where a host-bound engine's time goes.
+``--profile-device N`` adds, per engine, one more ``generate`` under torch's profiler: the wall time, the sum
+of its kernels' own device times, and its N largest kernels (on a CPU, operators by CPU time): whether the
+device or the host sets the engine's rate.
 
 ``--prompt-tokens P --new-tokens N --requests R`` time a rollout-sized shape instead of the task's:
 ``R`` prompts of ``P`` random task symbols, each completed with exactly ``N`` tokens (no stop token:
