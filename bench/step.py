@@ -137,7 +137,11 @@ def parse_args(argv=None):
                         help="the launcher's flag: allgather moves every token to every expert rank, in shapes "
                              "that do not depend on the routes")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
-    parser.add_argument("--apply-rope-fusion", action="store_true", help="TE's fused rotary embedding")
+    rope = parser.add_mutually_exclusive_group()
+    rope.add_argument("--apply-rope-fusion", dest="apply_rope_fusion", action="store_true", default=None,
+                      help="TE's fused rotary embedding (default with TE's layers, as the launcher)")
+    rope.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", default=None,
+                      help="the unfused rotary embedding with TE's layers")
     parser.add_argument("--moe-router-fusion", action="store_true",
                         help="TE's fused top-k and score function (replayed microbatches take the unfused path)")
     parser.add_argument("--moe-grouped-gemm-impl", choices=("transformer_engine", "torch"), default=None,
@@ -197,7 +201,7 @@ def build_model(args, device):
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
-        *(["--apply-rope-fusion"] if args.apply_rope_fusion else []),
+        *([] if args.apply_rope_fusion is None else ["--apply-rope-fusion" if args.apply_rope_fusion else "--no-rope-fusion"]),
         *(["--moe-router-fusion"] if args.moe_router_fusion else []),
         *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])

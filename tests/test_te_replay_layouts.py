@@ -49,7 +49,9 @@ GRAD_RTOL = 5e-2
 
 
 def _step(*flags, micro_batch_size=2):
-    return Step(model=MODEL, micro_batch_size=micro_batch_size, flags=(*TE_FLAGS, *flags))
+    # The unfused rotary embedding unless a layout asks for TE's fused one: the references are unfused.
+    rope = () if "--apply-rope-fusion" in flags else ("--no-rope-fusion",)
+    return Step(model=MODEL, micro_batch_size=micro_batch_size, flags=(*TE_FLAGS, *rope, *flags))
 
 
 def _run(layout, data, step, forced, host_counts=False):

@@ -45,6 +45,13 @@ def transformer_engine_installed() -> bool:
     )
 
 
+def resolve_rope_fusion(requested: Optional[bool], transformer_impl: str) -> bool:
+    """Whether the rotary embedding runs TransformerEngine's fused kernel: ``--apply-rope-fusion`` /
+    ``--no-rope-fusion``, or ``None`` for the default, on with TransformerEngine's layers (Megatron-LM's
+    default; one kernel per packed row, faster on a GPU: docs/benchmarks.md) and off with the local ones."""
+    return transformer_impl == "transformer_engine" if requested is None else requested
+
+
 def resolve_transformer_impl(requested: Optional[str], device: torch.device, te_only: dict) -> str:
     """The layers a model on ``device`` is built from.
 

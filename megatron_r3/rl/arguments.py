@@ -136,9 +136,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="TransformerEngine attention's context-parallel communication (TE layers only)")
     model.add_argument("--moe-permute-fusion", action="store_true",
                        help="TransformerEngine's fused permutation of tokens to experts (TE only)")
-    model.add_argument("--apply-rope-fusion", action="store_true",
-                       help="TransformerEngine's fused rotary embedding, one kernel for a packed THD row (TE only; "
-                            "Megatron-LM's default, whose --no-rope-fusion turns it off)")
+    rope = model.add_mutually_exclusive_group()
+    rope.add_argument("--apply-rope-fusion", dest="apply_rope_fusion", action="store_true", default=None,
+                      help="TransformerEngine's fused rotary embedding, one kernel for a packed THD row (TE only). "
+                           "Default: on with TransformerEngine's layers, as in Megatron-LM")
+    rope.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", default=None,
+                      help="the unfused rotary embedding with TransformerEngine's layers (Megatron-LM's flag)")
     model.add_argument("--moe-router-fusion", action="store_true",
                        help="TransformerEngine's fused top-k and score function (TE only); live microbatches "
                             "take the fused kernel, replayed or recorded ones the unfused top-k (the fused "

@@ -4,9 +4,14 @@ import pytest
 import torch
 
 from megatron_r3.layers import transformer_impl
-from megatron_r3.layers.transformer_impl import resolve_grouped_gemm_impl, resolve_transformer_impl, with_experts
+from megatron_r3.layers.transformer_impl import (
+    resolve_grouped_gemm_impl,
+    resolve_rope_fusion,
+    resolve_transformer_impl,
+    with_experts,
+)
 from megatron_r3.rl.arguments import model_settings, parse_args
-from megatron_r3.rl.model.factory import transformer_config
+from megatron_r3.rl.model.factory import layers_summary, transformer_config
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 NO_FUSIONS = {"moe_permute_fusion": False, "moe_router_fusion": False, "apply_rope_fusion": False}
@@ -40,6 +45,31 @@ def test_transformer_engine_is_refused_where_it_cannot_run(monkeypatch):
 def test_te_only_options_are_refused_with_the_local_layers(flag):
     with pytest.raises(ValueError, match=f"{flag} needs TransformerEngine's layers"):
         launcher_config([flag, "--transformer-impl", "local"])
+
+
+def test_rope_fusion_is_on_by_default_with_te_layers_only():
+    assert parse_args([]).apply_rope_fusion is None
+    assert parse_args(["--apply-rope-fusion"]).apply_rope_fusion is True
+    assert parse_args(["--no-rope-fusion"]).apply_rope_fusion is False
+    with pytest.raises(SystemExit):
+        parse_args(["--apply-rope-fusion", "--no-rope-fusion"])
+    assert resolve_rope_fusion(None, "transformer_engine") and not resolve_rope_fusion(None, "local")
+    assert not resolve_rope_fusion(False, "transformer_engine") and resolve_rope_fusion(True, "transformer_engine")
+    assert not launcher_config([]).apply_rope_fusion
+    assert not launcher_config(["--no-rope-fusion"]).apply_rope_fusion  # saying "off" is fine with the local layers
+
+
+def test_the_start_up_line_names_the_fused_rope(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(transformer_impl, "te_grouped_gemm_problem", lambda: None)
+    settings = model_settings(parse_args([]))
+    config = SimpleNamespace(transformer_impl="transformer_engine", moe_grouped_gemm=True, bf16=True,
+                             apply_rope_fusion=True)
+    assert layers_summary(settings, config) == (" layers: TransformerEngine's layers (Megatron's TE specs) with fused "
+                                                "RoPE in bf16; experts: TransformerEngine's TEGroupedMLP")
+    config.apply_rope_fusion = False
+    assert "RoPE" not in layers_summary(settings, config)
 
 
 def test_the_local_layers_train_in_fp32_unless_bf16_is_asked_for():

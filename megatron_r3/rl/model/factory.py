@@ -28,6 +28,7 @@ from megatron_r3.layers.transformer_impl import (
     decoder_block_spec,
     hybrid_stack_spec,
     resolve_grouped_gemm_impl,
+    resolve_rope_fusion,
     resolve_transformer_impl,
     te_grouped_gemm_problem,
 )
@@ -93,7 +94,7 @@ class ModelSettings:
         moe_grouped_gemm_impl: Who runs grouped experts with TransformerEngine's layers (None: TE's).
         transformer_impl: ``"transformer_engine"``, ``"local"`` or None (TransformerEngine's where it runs).
         cp_comm_type, moe_permute_fusion, moe_router_fusion, apply_rope_fusion: TransformerEngine's
-            layers only.
+            layers only (``apply_rope_fusion`` None: on with them).
         swiglu: Gated SiLU MLPs and experts, else GeLU.
         bf16: bf16 parameters and activations; None: with TransformerEngine's layers only.
         vocab_size: The embedding's and output layer's rows.
@@ -121,7 +122,7 @@ class ModelSettings:
     cp_comm_type: str
     moe_permute_fusion: bool
     moe_router_fusion: bool
-    apply_rope_fusion: bool
+    apply_rope_fusion: Optional[bool]
     swiglu: bool
     normalization: str
     init_method_std: float
@@ -152,8 +153,9 @@ class ModelSettings:
         return self.moe_layer_freq if isinstance(self.moe_layer_freq, int) else list(self.moe_layer_freq)
 
     @property
-    def te_only_options(self) -> dict[str, bool]:
-        """The options only TransformerEngine's layers run, by name (refused with the local layers)."""
+    def te_only_options(self) -> dict[str, Optional[bool]]:
+        """The options only TransformerEngine's layers run, by name (refused with the local layers where
+        set; None: the default)."""
         return {name: getattr(self, name) for name in TE_ONLY_FLAGS}
 
 
@@ -180,7 +182,8 @@ def transformer_config(model: ModelSettings, device: torch.device, *, rollout_en
     resolve_grouped_gemm_impl(model.moe_grouped_gemm_impl, transformer_impl)  # refused here, before building
     te_fields = {}
     if transformer_impl == "transformer_engine":
-        te_fields = dict(cp_comm_type=model.cp_comm_type, **model.te_only_options)
+        te_fields = dict(model.te_only_options, cp_comm_type=model.cp_comm_type,
+                         apply_rope_fusion=resolve_rope_fusion(model.apply_rope_fusion, transformer_impl))
     bf16 = rollout_engine or (model.bf16 if model.bf16 is not None else transformer_impl == "transformer_engine")
     dtype = torch.bfloat16 if bf16 else torch.float32
     routing_replay = model.routing_replay
@@ -258,6 +261,8 @@ def layers_summary(model: ModelSettings, config: TransformerConfig) -> str:
     torch's grouped GEMM over TransformerEngine's."""
     layers = ("TransformerEngine's layers (Megatron's TE specs)" if config.transformer_impl == "transformer_engine"
               else "Megatron's local layers")
+    if config.apply_rope_fusion:
+        layers += " with fused RoPE"
     if not config.moe_grouped_gemm:
         experts = "SequentialMLP (GEMMs per expert)"
     elif experts_grouped_gemm_impl(model, config) == "transformer_engine":
