@@ -11,7 +11,8 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   so the two k3 means come from one run, side by side; where it logs Megatron's timers
   (``EXTRA_ARGS=--timing-log-level 1``), its two forward-only passes over the same bins each iteration, with
   replay and routing live, paired by iteration (replay's cost in the trainer's forward within one run);
-* then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none),
+* then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none; replay first
+  in the first round, live first in the second, and so on), with a row per round where there are several,
   ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
   iterations after ``--skip`` (start-up, graph capture), replay's mean over live's; where the runs log
   Megatron's timers (``EXTRA_ARGS=--timing-log-level 1``), each phase's too (forward-backward, the
@@ -20,8 +21,9 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   which sampling sets) and the time of a decode step at equal active requests (replay's cost in the engine).
   ``--frozen-policy`` trains those runs at learning rate 0: the replay run and the live run then sample from the
   same policy at every iteration, so their rollouts do not drift apart, and where the engine's steps are logged
-  the report counts the iterations whose collections ran the same steps in both (the same generation lengths):
-  step times compared like for like, which sampling otherwise moves by more than replay does.
+  the report counts the iterations whose collections ran the same steps in both (the same generation lengths;
+  the engine admits requests as they arrive, so the two runs' draws can still differ). The two main step rows
+  give the ratio's 95% interval: whether the iterations resolve a difference of a few percent.
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -31,13 +33,15 @@ split the work across calls (docs/megatron_rl.md, "On a GPU node").
 
 ``--from-log LOG`` runs nothing: it writes the k3 part of the report and the JSONL from the log of a
 metrics run made earlier (one cut short included: every collection it logged counts), on any machine;
-``--from-step-logs REPLAY_LOG LIVE_LOG`` the step-time part from a replay run's and a live run's logs.
+``--from-step-logs REPLAY_LOG LIVE_LOG [...]`` the step-time part from a replay run's and a live run's logs, one
+pair per round.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -217,6 +221,18 @@ def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, i
     return rows
 
 
+def ratio_with_interval(replay: list[float], live: list[float]) -> str:
+    """Replay's mean over live's and, where each side has two values or more, its 95% interval (the delta
+    method on the two means' standard errors, iterations taken as independent): whether a difference of a few
+    percent is resolved at all."""
+    ratio = statistics.fmean(replay) / statistics.fmean(live)
+    if len(replay) < 2 or len(live) < 2:
+        return f"{ratio:.3f}"
+    relative = math.sqrt(sum(statistics.variance(side) / len(side) / statistics.fmean(side) ** 2
+                             for side in (replay, live)))
+    return f"{ratio:.3f} ({ratio * (1 - 1.96 * relative):.3f}-{ratio * (1 + 1.96 * relative):.3f})"
+
+
 def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     """The step-time row and, where the runs logged Megatron's timers, one row per phase timed at every
     counted iteration of both sides (the slowest eight by live time)."""
@@ -226,8 +242,8 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
                  f"{'replay' if not times[True] else 'live'} runs' logs")
     replay_ms, live_ms = statistics.fmean(times[True]), statistics.fmean(times[False])
     replay_median, live_median = statistics.median(times[True]), statistics.median(times[False])
-    rows = [f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations) | "
-            f"{replay_ms:.1f} | {live_ms:.1f} | {replay_ms / live_ms:.3f} | <= 1.03 |",
+    rows = [f"| mean step time, ms ({len(times[True])} and {len(times[False])} iterations; ratio's 95% interval) | "
+            f"{replay_ms:.1f} | {live_ms:.1f} | {ratio_with_interval(times[True], times[False])} | <= 1.03 |",
             f"| median step time, ms | {replay_median:.1f} | {live_median:.1f} | {replay_median / live_median:.3f} | |"]
     phases = {}
     for replay in (True, False):
@@ -237,15 +253,44 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     every = {name: sides for name, sides in phases.items()
              if len(sides[True]) == len(times[True]) and len(sides[False]) == len(times[False])}
     if ROLLOUTS in every:  # the step without its generation, whose length sampling sets
-        rest = {replay: statistics.fmean(times[replay]) - statistics.fmean(every[ROLLOUTS][replay])
+        rest = {replay: [step - rollouts for step, rollouts in zip(times[replay], every[ROLLOUTS][replay])]
                 for replay in (True, False)}
-        rows.append(f"| step time less `{ROLLOUTS}`, ms | {rest[True]:.1f} | {rest[False]:.1f} | "
-                    f"{rest[True] / rest[False]:.3f} | |")
+        rows.append(f"| step time less `{ROLLOUTS}`, ms | {statistics.fmean(rest[True]):.1f} | "
+                    f"{statistics.fmean(rest[False]):.1f} | {ratio_with_interval(rest[True], rest[False])} | |")
     for name, sides in sorted(every.items(), key=lambda item: -statistics.fmean(item[1][False]))[:8]:
         replay_phase, live_phase = statistics.fmean(sides[True]), statistics.fmean(sides[False])
         ratio = f"{replay_phase / live_phase:.3f}" if live_phase > 0 else "-"
         rows.append(f"| of which `{name}`, ms | {replay_phase:.1f} | {live_phase:.1f} | {ratio} | |")
     return rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
+
+
+def first_iteration_time(log: str) -> str:
+    """The timestamp of a log's first iteration line (Megatron's ``[YYYY-MM-DD hh:mm:ss.ffffff]``), or ''."""
+    match = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+\d+/", log)
+    return match.group(1) if match else ""
+
+
+def round_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
+    """Over two or more rounds, each round's ratio on its own (the step less its rollout collection where the
+    timers give it, else the whole step) and which side ran first: the spread between rounds, and the order's
+    effect, which alternating the order across rounds cancels in the pooled rows."""
+    if len(logs[True]) < 2:
+        return []
+    rows = []
+    for index, pair in enumerate(zip(logs[True], logs[False]), start=1):
+        times = [step_times(log, skip) for log in pair]
+        if not all(times):
+            return []
+        rollouts = [phase_times(log, skip).get(ROLLOUTS, []) for log in pair]
+        less_rollouts = all(len(r) == len(t) for r, t in zip(rollouts, times))
+        replay_ms, live_ms = (statistics.fmean(t) - (statistics.fmean(r) if less_rollouts else 0.0)
+                              for t, r in zip(times, rollouts))
+        what = f"step time less `{ROLLOUTS}`" if less_rollouts else "mean step time"
+        starts = [first_iteration_time(log) for log in pair]
+        first = f", {'replay' if starts[0] < starts[1] else 'live'} ran first" if all(starts) else ""
+        rows.append(f"| round {index}{first}: {what}, ms | {replay_ms:.1f} | {live_ms:.1f} | "
+                    f"{replay_ms / live_ms:.3f} | |")
+    return rows
 
 
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
@@ -348,16 +393,19 @@ def from_log(log_path: Path, out: Path, skip: int, overwrite: bool) -> None:
     write_report(out, report, overwrite, records)
 
 
-def from_step_logs(replay_log: Path, live_log: Path, out: Path, skip: int, overwrite: bool) -> None:
-    """The step-time part of the report from the logs of a replay run and a live run, made earlier."""
-    for path in (replay_log, live_log):
+def from_step_logs(paths: list[Path], out: Path, skip: int, overwrite: bool) -> None:
+    """The step-time part of the report from the logs of replay and live runs made earlier: ``paths`` is one
+    replay log and one live log per round."""
+    for path in paths:
         if not path.is_file():
             sys.exit(f"bench.megatron_rl: --from-step-logs {path}: no such file")
-    check_outputs(out, False, overwrite, inputs=[replay_log, live_log])
-    logs = {True: [replay_log.read_text(errors="replace")], False: [live_log.read_text(errors="replace")]}
-    table = [*TABLE_HEAD, *step_rows(logs, skip)]
-    report = [f"## train_rl.py step time with and without routing replay, from `{replay_log}` and `{live_log}`", "",
-              f"`python -m bench.megatron_rl --from-step-logs {replay_log} {live_log} --skip {skip} --out {out}`",
+    check_outputs(out, False, overwrite, inputs=paths)
+    logs = {True: [path.read_text(errors="replace") for path in paths[0::2]],
+            False: [path.read_text(errors="replace") for path in paths[1::2]]}
+    table = [*TABLE_HEAD, *step_rows(logs, skip), *round_rows(logs, skip)]
+    names = " ".join(str(path) for path in paths)
+    report = [f"## train_rl.py step time with and without routing replay, from {len(paths) // 2} pair(s) of logs", "",
+              f"`python -m bench.megatron_rl --from-step-logs {names} --skip {skip} --out {out}`",
               "", *table, "", *same_rollout_notes(logs, skip), ""]
     write_report(out, report, overwrite)
 
@@ -382,15 +430,18 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report (refused otherwise)")
     parser.add_argument("--from-log", type=Path, metavar="LOG",
                         help="run nothing: the k3 report from the log of an earlier metrics run")
-    parser.add_argument("--from-step-logs", type=Path, nargs=2, metavar=("REPLAY_LOG", "LIVE_LOG"),
-                        help="run nothing: the step-time report from the logs of an earlier replay run and live run")
+    parser.add_argument("--from-step-logs", type=Path, nargs="+", metavar="REPLAY_LOG LIVE_LOG",
+                        help="run nothing: the step-time report from the logs of earlier runs, a replay log and a "
+                             "live log per round")
     args = parser.parse_args(argv)
     if args.frozen_policy and (args.from_step_logs is not None or args.from_log is not None):
         parser.error("--frozen-policy sets how the step-time runs train: --from-log and --from-step-logs run nothing")
     if args.from_step_logs is not None:
         if args.from_log is not None or args.rounds:
             parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
-        return from_step_logs(*args.from_step_logs, args.out, args.skip, args.overwrite)
+        if len(args.from_step_logs) % 2:
+            parser.error("--from-step-logs takes pairs: a replay run's log, then a live run's, per round")
+        return from_step_logs(args.from_step_logs, args.out, args.skip, args.overwrite)
     if args.from_log is not None:
         if args.rounds:
             parser.error("--from-log runs nothing: --rounds needs runs")
@@ -424,14 +475,16 @@ def main(argv=None):
         records = k3_part(log, args.skip, table, notes)
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
-        for replay in (True, False):
+        # replay first in odd rounds, live first in even ones: over an even number of rounds the order's effect
+        # (a warmer host, a fuller page cache) falls on both sides alike
+        for replay in (True, False) if round_index % 2 == 0 else (False, True):
             command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
                                      tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
                                      extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")
             report.append(f"    {command}    # {wall:.0f} s")
             logs[replay].append(log)
     if args.rounds:
-        table += step_rows(logs, args.skip)
+        table += step_rows(logs, args.skip) + round_rows(logs, args.skip)
         notes += same_rollout_notes(logs, args.skip)
     report += ["", *table, "", *notes, ""]
     write_report(args.out, report, args.overwrite, records)

@@ -353,10 +353,13 @@ def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp
     out = tmp_path / "step.md"
     assert bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "1", "--out", str(out)]) is None
     report = out.read_text()
-    assert "| mean step time, ms (2 and 3 iterations) | 12500.0 | 12000.0 | 1.042 | <= 1.03 |" in report
+    # the ratio's 95% interval: 1.042 x (1 -/+ 1.96 sqrt(500000 / 2 / 12500^2 + 250000 / 3 / 12000^2))
+    assert ("| mean step time, ms (2 and 3 iterations; ratio's 95% interval) | 12500.0 | 12000.0 | "
+            "1.042 (0.946-1.137) | <= 1.03 |") in report
     assert "| of which `forward-backward`, ms | 4000.0 | 3800.0 | 1.053 | |" in report
     assert "| of which `rl/rollout-collection`, ms | 5000.0 | 5000.0 | 1.000 | |" in report
-    assert "| step time less `rl/rollout-collection`, ms | 7500.0 | 7000.0 | 1.071 | |" in report
+    # each iteration's step less its own collection: 8000 and 7000 against 7500, 6500 and 7000
+    assert "| step time less `rl/rollout-collection`, ms | 7500.0 | 7000.0 | 1.071 (0.907-1.236) | |" in report
     assert "save-checkpoint" not in report
     assert report.index("rl/rollout-collection") < report.index("forward-backward")  # slowest first
     with pytest.raises(SystemExit, match=f"--out {out} exists: pass --overwrite to replace it"):
@@ -487,6 +490,67 @@ def test_the_bench_counts_the_iterations_whose_rollouts_ran_the_same_engine_step
                     "--out", str(out), "--overwrite"])
     with pytest.raises(SystemExit):  # refused before it looks for MEGATRON or a GPU
         bench_main(["--frozen-policy", "--rounds", "0", "--out", str(out), "--overwrite"])
+
+
+def timed_log(start_hour, steps, rollouts):
+    """A train_rl.py log whose iterations start at ``start_hour``: each iteration's line, then its timers."""
+    lines = []
+    for it, (ms, rollout_ms) in enumerate(zip(steps, rollouts), start=1):
+        lines += [f" [2026-11-30 {start_hour:02d}:00:{it:02d}.000000] iteration {it:8d}/{len(steps):8d} | "
+                  f"elapsed time per iteration (ms): {ms:.1f} |",
+                  "INFO:megatron.core.timers:(min, max) time across ranks (ms):",
+                  f"    {'rl/rollout-collection '.ljust(48, '.')}: ({rollout_ms:.2f}, {rollout_ms:.2f})"]
+    return "\n".join(lines)
+
+
+def test_the_bench_alternates_which_side_runs_first_and_reports_each_round(tmp_path, monkeypatch):
+    import torch
+
+    import bench.megatron_rl as bench
+
+    # per run, in the order the bench runs them: (replay?, its step times, its rollout collections)
+    runs = iter([(True, [9000.0, 5000.0, 6000.0], [4000.0, 2000.0, 2000.0]),   # round 1: replay first
+                 (False, [9000.0, 6000.0, 8000.0], [4000.0, 2000.0, 4000.0]),
+                 (False, [9000.0, 5000.0, 5000.0], [4000.0, 1000.0, 1000.0]),  # round 2: live first
+                 (True, [9000.0, 6000.0, 6000.0], [4000.0, 2000.0, 2000.0])])
+    order = []
+
+    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args=""):
+        expected_replay, steps, rollouts = next(runs)
+        assert replay == expected_replay and not metrics
+        order.append(tag)
+        return f"REPLAY={int(replay)} {tag}", timed_log(10 + len(order), steps, rollouts), 1.0
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setenv("MEGATRON", str(tmp_path))
+    out = tmp_path / "time.md"
+    bench.main(["--no-k3", "--rounds", "2", "--skip", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)])
+    assert order == ["time-replay-0", "time-live-0", "time-live-1", "time-replay-1"]
+    report = out.read_text()
+    # pooled over both rounds: replay (5000+6000+6000+6000)/4 = 5750 against live (6000+8000+5000+5000)/4 = 6000
+    assert "| mean step time, ms (4 and 4 iterations; ratio's 95% interval) | 5750.0 | 6000.0 | 0.958 (" in report
+    # each round on its own, less its rollout collection: 3500 against 4000, then 4000 against 4000
+    assert "| round 1, replay ran first: step time less `rl/rollout-collection`, ms | 3500.0 | 4000.0 | 0.875 | |" \
+        in report
+    assert "| round 2, live ran first: step time less `rl/rollout-collection`, ms | 4000.0 | 4000.0 | 1.000 | |" \
+        in report
+    # the same report from the four logs, a replay log and a live log per round
+    logs = []
+    for tag, hour, steps, rollouts in (("r0", 11, [9000.0, 5000.0, 6000.0], [4000.0, 2000.0, 2000.0]),
+                                       ("l0", 12, [9000.0, 6000.0, 8000.0], [4000.0, 2000.0, 4000.0]),
+                                       ("r1", 14, [9000.0, 6000.0, 6000.0], [4000.0, 2000.0, 2000.0]),
+                                       ("l1", 13, [9000.0, 5000.0, 5000.0], [4000.0, 1000.0, 1000.0])):
+        logs.append(tmp_path / f"{tag}.log")
+        logs[-1].write_text(timed_log(hour, steps, rollouts))
+    from_logs = tmp_path / "from-logs.md"
+    bench.main(["--from-step-logs", *map(str, logs), "--skip", "1", "--out", str(from_logs)])
+    for row in ("| mean step time, ms (4 and 4 iterations;", "| round 1, replay ran first:", "| round 2, live ran first:"):
+        assert row in from_logs.read_text()
+    with pytest.raises(SystemExit):  # a replay log without its live log
+        bench.main(["--from-step-logs", *map(str, logs[:3]), "--out", str(tmp_path / "odd.md")])
+    assert not (tmp_path / "odd.md").exists()
 
 
 def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
