@@ -136,6 +136,9 @@ def parse_args(argv=None):
     parser.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall",
                         help="the launcher's flag: allgather moves every token to every expert rank, in shapes "
                              "that do not depend on the routes")
+    parser.add_argument("--moe-allgather-static-shapes", action="store_true",
+                        help="the launcher's flag: the allgather dispatcher's permutation sized for the most rows, "
+                             "its token counts on the device (no host sync at any EP size)")
     parser.add_argument("--moe-permute-fusion", action="store_true", help="TE's fused token permutation")
     rope = parser.add_mutually_exclusive_group()
     rope.add_argument("--apply-rope-fusion", dest="apply_rope_fusion", action="store_true", default=None,
@@ -197,6 +200,7 @@ def build_model(args, device):
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--expert-model-parallel-size", str(args.ep), "--bf16", "--moe-enable-routing-replay",
         "--moe-token-dispatcher-type", args.moe_token_dispatcher_type,
+        *(["--moe-allgather-static-shapes"] if args.moe_allgather_static_shapes else []),
         "--init-method-std", "0.02",
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
@@ -528,7 +532,8 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, pre
         f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
         f"({args.num_experts // args.ep} local), moe ffn {args.moe_ffn_hidden_size} "
         f"({'SwiGLU' if args.swiglu else 'GeLU'}), vocab {args.vocab_size}, bf16, "
-        f"{config.moe_token_dispatcher_type} dispatcher, layers "
+        f"{config.moe_token_dispatcher_type} dispatcher"
+        f"{' (static shapes)' if args.moe_allgather_static_shapes else ''}, layers "
         f"`{config.transformer_impl}`{', permute fusion' if config.moe_permute_fusion else ''}"
         f"{', router fusion' if config.moe_router_fusion else ''}"
         f"{', rope fusion' if config.apply_rope_fusion else ''}, experts `{experts}`; "

@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_r3.layers.hybrid_pattern import check_hybrid_layer_pattern
 from megatron_r3.layers.hybrid_specs import get_hybrid_stack_r3_spec
 from megatron_r3.layers.specs import get_gpt_decoder_block_r3_spec, grouped_gemm_experts_spec
+from megatron_r3.layers.static_allgather import StaticShapeMoELayer
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 # Who runs grouped experts: TransformerEngine's TEGroupedMLP (host split sizes, one GEMM set-up
@@ -134,20 +135,23 @@ def resolve_grouped_gemm_impl(requested: Optional[str], transformer_impl: str) -
 
 
 def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None,
-                       grouped_gemm_impl: str = "transformer_engine") -> TransformerBlockSubmodules:
+                       grouped_gemm_impl: str = "transformer_engine",
+                       static_allgather: bool = False) -> TransformerBlockSubmodules:
     """The decoder-block spec of this rank's stage ``vp_stage`` for ``config.transformer_impl``.
 
     With TE's layers and ``grouped_gemm_impl="torch"``, grouped experts are
-    :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts` instead of ``TEGroupedMLP``.
+    :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts` instead of ``TEGroupedMLP``;
+    ``static_allgather`` builds the MoE layers as :func:`with_static_allgather` does.
     """
     if config.transformer_impl != "transformer_engine":
-        return get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        block = get_gpt_decoder_block_r3_spec(config, vp_stage=vp_stage)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
-        block = with_experts(block, grouped_gemm_experts_spec())
-    return block
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+        if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
+            block = with_experts(block, grouped_gemm_experts_spec())
+    return with_static_allgather(block) if static_allgather else block
 
 
 def hybrid_stack_spec(config: TransformerConfig, hybrid_layer_pattern: str,
@@ -180,12 +184,22 @@ def hybrid_stack_spec(config: TransformerConfig, hybrid_layer_pattern: str,
 
 def with_experts(block: TransformerBlockSubmodules, experts) -> TransformerBlockSubmodules:
     """``block`` with the experts of every MoE layer built by ``experts`` (the rest unchanged)."""
+    return _map_moe_layers(block, lambda moe: _with_experts(moe, experts))
+
+
+def with_static_allgather(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    """``block`` with every MoE layer a :class:`~megatron_r3.layers.static_allgather.StaticShapeMoELayer`
+    (``--moe-allgather-static-shapes``), its submodules unchanged."""
+    return _map_moe_layers(block, lambda moe: partial(StaticShapeMoELayer, *moe.args, **moe.keywords))
+
+
+def _map_moe_layers(block: TransformerBlockSubmodules, change) -> TransformerBlockSubmodules:
+    """``block`` with the builder of every MoE layer (a ``partial`` of ``MoELayer``) replaced by ``change(it)``."""
     layers = []
     for spec in block.layer_specs:
         mlp = spec.submodules.mlp
         if isinstance(mlp, partial) and mlp.func is MoELayer:
-            mlp = _with_experts(mlp, experts)
-            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=change(mlp)))
         layers.append(spec)
     return dataclasses.replace(block, layer_specs=layers)
 

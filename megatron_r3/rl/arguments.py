@@ -120,6 +120,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     grouped.add_argument("--no-moe-grouped-gemm", dest="moe_grouped_gemm", action="store_false",
                          help="the trainer's experts as Megatron's SequentialMLP, two GEMMs per expert")
     model.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
+    model.add_argument("--moe-allgather-static-shapes", action="store_true",
+                       help="the allgather dispatcher sizes its permutation for the most rows the local experts "
+                            "can get (gathered tokens x min(top-k, local experts)) and keeps the token counts on "
+                            "the device: no host sync at any expert-parallel size, at the cost of that many rows "
+                            "of activations; needs grouped experts that take device counts (torch's grouped GEMM). "
+                            "docs/launcher.md")
     model.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
                        help="the layers: TransformerEngine's (Megatron's TE layer specs: TE attention with THD "
                             "and context parallelism, fused norm and linear, TEGroupedMLP experts with "
@@ -485,6 +491,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         hybrid_layer_pattern=args.hybrid_layer_pattern,
         moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_allgather_static_shapes=args.moe_allgather_static_shapes,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_grouped_gemm_impl=args.moe_grouped_gemm_impl,
         transformer_impl=args.transformer_impl,

@@ -43,7 +43,8 @@ RESUMABLE_FLAGS = frozenset({
     "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_granularity",
     "recompute_method", "recompute_num_layers", "distributed_backend",
     # implementations of the same model and the same sampling
-    "transformer_impl", "moe_grouped_gemm", "moe_grouped_gemm_impl", "moe_token_dispatcher_type", "cp_comm_type",
+    "transformer_impl", "moe_grouped_gemm", "moe_grouped_gemm_impl", "moe_token_dispatcher_type",
+    "moe_allgather_static_shapes", "cp_comm_type",
     "moe_permute_fusion", "moe_router_fusion", "apply_rope_fusion", "bf16", "init_method_std",
     "max_position_embeddings",
     "rollout_engine", "rollout_cuda_graphs", "inference_cuda_graph_scope", "trainer_cuda_graphs", "r3_compare",

@@ -102,6 +102,8 @@ class ModelSettings:
         routing_replay: Whether the policy's routers take a ``MoERouting``, and the replay checks.
         moe_router_dtype: The routers' logits and scores in ``"fp32"`` or ``"fp64"``; None: in the
             activations' dtype (Megatron's ``moe_router_dtype``).
+        moe_allgather_static_shapes: The allgather dispatcher with no shape set by the routes
+            (:mod:`megatron_r3.layers.static_allgather`).
     """
 
     num_layers: int
@@ -116,6 +118,7 @@ class ModelSettings:
     hybrid_layer_pattern: Optional[str]
     moe_router_score_function: str
     moe_token_dispatcher_type: str
+    moe_allgather_static_shapes: bool
     moe_grouped_gemm: bool
     moe_grouped_gemm_impl: Optional[str]
     transformer_impl: Optional[str]
@@ -136,6 +139,11 @@ class ModelSettings:
     moe_router_dtype: Optional[str] = None
 
     def __post_init__(self):
+        if self.moe_allgather_static_shapes and self.moe_token_dispatcher_type != "allgather":
+            raise ValueError("--moe-allgather-static-shapes needs --moe-token-dispatcher-type allgather")
+        if self.moe_allgather_static_shapes and self.hybrid_layer_pattern is not None:
+            raise ValueError("--moe-allgather-static-shapes builds GPTModel's MoE layers; a HybridModel's "
+                             "(--hybrid-layer-pattern) keep Megatron's allgather dispatcher")
         if self.hybrid_layer_pattern is not None and hybrid_num_layers(self.hybrid_layer_pattern) != self.num_layers:
             raise ValueError(f"num_layers {self.num_layers} does not match hybrid_layer_pattern "
                              f"{self.hybrid_layer_pattern!r} ({hybrid_num_layers(self.hybrid_layer_pattern)} layers)")
@@ -296,7 +304,8 @@ def build_model(model: ModelSettings, config: TransformerConfig,
             vp_stage=vp_stage,
         )
         if pattern is None:
-            spec = decoder_block_spec(config, vp_stage=vp_stage, grouped_gemm_impl=grouped_gemm_impl)
+            spec = decoder_block_spec(config, vp_stage=vp_stage, grouped_gemm_impl=grouped_gemm_impl,
+                                      static_allgather=model.moe_allgather_static_shapes)
             chunk = GPTModel(transformer_layer_spec=spec, **common)
         else:
             spec = hybrid_stack_spec(config, pattern, grouped_gemm_impl=grouped_gemm_impl)

@@ -1,0 +1,147 @@
+"""--moe-allgather-static-shapes: Megatron's allgather dispatcher with no shape set by the routes.
+
+Over two expert ranks (gloo) the layouts must take the forced routes and give the single-rank run's losses and
+gradients (and Megatron's dispatcher's, to the bit), including where every token goes to the other rank's
+experts (one rank's experts get no row: all its rows are past the routed ones) and at odd lengths; one dispatch must read nothing back to
+the host and hand the experts the same number of rows whatever the routes.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_r3.layers.static_allgather import StaticShapeAllGatherTokenDispatcher
+from megatron_r3.rl.arguments import model_settings, parse_args
+from tests.support.batches import make_sequences
+from tests.support.harness import Step, full_grads, full_token_losses
+from tests.support.launcher import run_workers
+from tests.support.parallel import Layout, init_parallel
+from tests.support.replay_layouts import random_forced_routes, run_replay_layout
+from tests.test_layouts import BSHD_DATA, MODEL
+from tests.test_replay_layouts import assert_replay_matches, replay_reference
+
+pytestmark = pytest.mark.slow
+
+STATIC = Step(flags=("--moe-allgather-static-shapes",))
+EP2 = Layout(ep=2, dp=2, dispatcher="allgather")
+BSHD_FORCED = random_forced_routes(MODEL, BSHD_DATA.num_tokens, 31, 7)
+# Odd lengths: 9 tokens a sequence, 18 a microbatch and rank (Megatron's allgather needs equal counts per rank).
+ODD_DATA = make_sequences([9] * 8, MODEL.vocab_size, seed=3)
+ODD_FORCED = random_forced_routes(MODEL, ODD_DATA.num_tokens, 32, 7)
+# Every token to experts 2 and 3: rank 1's; rank 0's experts get no row.
+SKEWED = {layer: torch.tensor([2, 3]).expand(BSHD_DATA.num_tokens, 2).clone() for layer in MODEL.moe_layers}
+
+
+@pytest.mark.parametrize("data,forced", [(BSHD_DATA, BSHD_FORCED), (BSHD_DATA, SKEWED), (ODD_DATA, ODD_FORCED)],
+                         ids=["random-routes", "all-to-rank-1", "odd-lengths"])
+def test_static_shapes_replay_forced_routes_as_one_rank_does(data, forced):
+    (reference,) = run_workers(run_replay_layout, 1, Layout(), data, Step(), forced)
+    results = run_workers(run_replay_layout, 2, EP2, data, STATIC, forced)
+    assert_replay_matches(replay_reference(reference, data, forced), results, data)
+    # and the same losses and gradients as Megatron's dispatcher over the same two ranks, to the bit
+    megatron = run_workers(run_replay_layout, 2, EP2, data, Step(), forced)
+    assert torch.equal(full_token_losses(results, data.num_tokens), full_token_losses(megatron, data.num_tokens))
+    ours, theirs = full_grads(results), full_grads(megatron)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+@contextlib.contextmanager
+def _reading_back_refused(refuse: bool):
+    """``Tensor.item``, ``.tolist`` and ``.cpu`` raise inside (where ``refuse``): what reads a value back to the host."""
+    originals = {method: getattr(torch.Tensor, method) for method in ("item", "tolist", "cpu")} if refuse else {}
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host during the static dispatch")
+
+    for method in originals:
+        setattr(torch.Tensor, method, refused)
+    try:
+        yield
+    finally:
+        for method, original in originals.items():
+            setattr(torch.Tensor, method, original)
+
+
+def _dispatch_worker(seed):
+    """One dispatch and combine of the static dispatcher over 2 ranks (2 local experts each, top-2), with
+    ``.item()``, ``.tolist()`` and ``.cpu()`` refused in its own steps: the expert-side rows and counts and the
+    combined output, with what Megatron's dispatcher computes from the same input."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    init_parallel(EP2)
+    try:
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4,
+                                   moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                                   use_cpu_initialization=True, add_bias_linear=False)
+        rank = dist.get_rank()
+        gen = torch.Generator().manual_seed(seed * 2 + rank)
+        ids = torch.rand(7, 4, generator=gen).topk(2, dim=-1).indices  # 7 tokens: odd
+        routing_map = torch.zeros(7, 4, dtype=torch.bool).scatter(1, ids, True)
+        probs = torch.rand(7, 4, generator=gen) * routing_map
+        tokens = torch.randn(7, 8, generator=gen)
+        results = {}
+        for name, cls in (("static", StaticShapeAllGatherTokenDispatcher), ("megatron", MoEAllGatherTokenDispatcher)):
+            dispatcher = cls(2, [rank * 2, rank * 2 + 1], config, moe_utils.get_default_pg_collection())
+            hidden, dispatched_probs = dispatcher.dispatch_preprocess(tokens, routing_map, probs)
+            hidden, dispatched_probs = dispatcher.token_dispatch(hidden, dispatched_probs)
+            with _reading_back_refused(name == "static"):
+                rows, counts, row_probs = dispatcher.dispatch_postprocess(hidden, dispatched_probs)
+            # the experts: rows past the routed ones hold garbage, as torch's grouped GEMM leaves them
+            expert_out = rows * 2 + 1
+            expert_out[int(counts.sum()):] = float("nan")
+            with _reading_back_refused(name == "static"):
+                unpermuted = dispatcher.combine_preprocess(expert_out)
+            out = dispatcher.combine_postprocess(dispatcher.token_combine(unpermuted))
+            results[name] = rows, counts, row_probs, out
+        return results
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_dispatch_reads_nothing_back_and_hands_the_experts_a_fixed_number_of_rows(seed):
+    for results in run_workers(_dispatch_worker, 2, seed):
+        rows, counts, row_probs, out = results["static"]
+        m_rows, m_counts, m_probs, m_out = results["megatron"]
+        assert rows.shape[0] == 14 * 2  # 14 gathered tokens x min(top-2, 2 local experts), whatever the routes
+        routed = int(m_counts.sum())
+        assert torch.equal(counts, m_counts.to(counts.dtype))
+        assert torch.equal(rows[:routed], m_rows) and torch.equal(row_probs[:routed], m_probs)
+        assert (rows[routed:] == 0).all() and (row_probs[routed:] == 0).all()
+        assert torch.equal(out, m_out)  # the NaN rows past the routed ones counted for nothing
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-allgather-static-shapes"], "needs --moe-token-dispatcher-type allgather"),
+    (["--moe-allgather-static-shapes", "--moe-token-dispatcher-type", "allgather", "--hybrid-layer-pattern", "*E"],
+     "a HybridModel's"),
+])
+def test_the_flag_is_refused_where_it_does_not_apply(flags, message):
+    with pytest.raises(ValueError, match=message):
+        model_settings(parse_args(flags))
+
+
+def _sequential_experts_worker():
+    from tests.support.tiny_moe import build_gpt
+
+    init_parallel(EP2)
+    try:
+        build_gpt(EP2, MODEL, flags=["--moe-allgather-static-shapes", "--no-moe-grouped-gemm"])
+    except ValueError as err:
+        return str(err)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def test_experts_that_read_host_counts_are_refused():
+    for error in run_workers(_sequential_experts_worker, 2):
+        assert error is not None and "needs experts that take their token counts on the device" in error
+        assert "SequentialMLP" in error
