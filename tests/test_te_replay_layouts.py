@@ -96,6 +96,7 @@ def thd_reference():
     return _result(_run(layout, THD_DATA, _step(micro_batch_size=1), THD_FORCED), THD_DATA, THD_FORCED)
 
 
+STATIC_ALLGATHER = ("--moe-allgather-static-shapes", "--moe-grouped-gemm-impl", "torch")
 BSHD_LAYOUTS = {
     "tp2-sp": (Layout(tp=2, sp=True), ()),
     "ep2-alltoall": (Layout(ep=2, dp=2, dispatcher="alltoall"), ()),
@@ -112,6 +113,11 @@ BSHD_LAYOUTS = {
     # the fused permutation moves the replayed routes' tokens.
     "ep2-router-fusion": (Layout(ep=2, dp=2, dispatcher="alltoall"), ("--moe-router-fusion",)),
     "ep2-permute-fusion": (Layout(ep=2, dp=2, dispatcher="alltoall"), ("--moe-permute-fusion",)),
+    # The allgather dispatcher with static shapes: rows past the routed ones, unfused or through TE's fused
+    # permutation, never reach a token.
+    "ep2-allgather-static": (Layout(ep=2, dp=2, dispatcher="allgather"), STATIC_ALLGATHER),
+    "ep2-allgather-static-permute-fusion": (Layout(ep=2, dp=2, dispatcher="allgather"),
+                                            (*STATIC_ALLGATHER, "--moe-permute-fusion")),
 }
 THD_LAYOUTS = {
     "cp2-thd-p2p": (Layout(cp=2, packed=True), ("--cp-comm-type", "p2p")),
