@@ -46,8 +46,9 @@ with the min and max), the host's preparation of the batch before the pass (``pr
 rows, CP placement, routing plans, filler routes, staged routes, host token counts with their
 exchange; :mod:`megatron_r3.dataplane.device.batch_plan`; not part of the pass time), the
 host's issue time of the pass (until it returns, before the device finishes), the device's
-compute time of one pass (its kernels, NCCL's excluded) and their ratio, and the model FLOP
-rate against the card's bf16 peak. Garbage collection is off inside each timed region.
+compute time of one pass (its kernels, NCCL's excluded) and their ratio, the peak memory the
+allocator held during one pass (from its start: the weights, gradients and the pass's activations), and
+the model FLOP rate against the card's bf16 peak. Garbage collection is off inside each timed region.
 
 Both shapes of docs/benchmarks.md ("The update pass bound by the GPU"): the default (2 rows of
 8192 tokens per rank) and ``--seq-length 16384 --microbatches 4``.
@@ -441,15 +442,17 @@ def main(argv=None):
         for _ in range(args.warmup):
             run(variant)
         sync()
-    syncs = {}
+    syncs, peak_memory = {}, {}
     for variant in variants:
         update_pass.settle(variant)
         batch = update_pass.plan(variant)
         counts = {}
         if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
             with counted_host_syncs(counts):
                 update_pass(variant, batch)
             sync()
+            peak_memory[variant] = torch.cuda.max_memory_allocated(device)
         syncs[variant] = counts
     device_ms, kernels = {}, {}
     for variant in variants if on_gpu or args.profile_device else ():
@@ -503,7 +506,7 @@ def main(argv=None):
     peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
         report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, prepare,
-                        device_ms, flops, tokens, peak, skipped)
+                        device_ms, peak_memory, flops, tokens, peak, skipped)
         if args.profile_device:
             report += "\n" + "\n".join(line for v in variants for line in kernel_table(
                 f"one `{v}` pass", kernels[v], args.profile_device, on_gpu))
@@ -512,8 +515,8 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def render(args, device, config, experts, variants, syncs, per_round, issue, prepare, device_ms, flops, tokens,
-           peak, skipped) -> str:
+def render(args, device, config, experts, variants, syncs, per_round, issue, prepare, device_ms, peak_memory, flops,
+           tokens, peak, skipped) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
     command += shlex.join(sys.argv[1:])
@@ -545,17 +548,19 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, pre
         f"(an 8192^3 matrix product).",
         "",
         "| variant | sync-debug syncs / pass | event/stream waits / pass | pass ms (median) | min..max | "
-        "prepare ms | host issue ms | device compute ms | host issue / device | model TFLOP/s per GPU | "
-        "of bf16 peak | tokens/s (all ranks) | vs upstream | vs live |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "prepare ms | host issue ms | device compute ms | host issue / device | peak memory GiB | "
+        "model TFLOP/s per GPU | of bf16 peak | tokens/s (all ranks) | vs upstream | vs live |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in variants:
         rate = flops / median[v]
+        memory = f"{peak_memory[v] / 2**30:.1f}" if v in peak_memory else "-"
         lines.append(
             f"| {v} | {syncs[v].get('sync_debug', '-')} | {syncs[v].get('waits', '-')} | {1e3 * median[v]:.2f} | "
             f"{1e3 * min(per_round[v]):.2f}..{1e3 * max(per_round[v]):.2f} | {1e3 * prepare_median[v]:.2f} | "
             f"{1e3 * issue_median[v]:.2f} | {device_ms.get(v, float('nan')):.2f} | "
-            f"{1e3 * issue_median[v] / device_ms.get(v, float('nan')):.2f} | {rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
+            f"{1e3 * issue_median[v] / device_ms.get(v, float('nan')):.2f} | {memory} | "
+            f"{rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
             f"{args.ep * tokens / median[v]:.0f} | {median[v] / median['upstream']:.3f} | "
             f"{median[v] / median['live']:.3f} |"
         )
