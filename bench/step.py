@@ -59,12 +59,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import shlex
 import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,6 +81,7 @@ from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.device.microbatches import RowLayout
+from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.device.plan import RankLayout
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
@@ -206,7 +209,7 @@ def build_model(args, device):
         *(["--swiglu"] if args.swiglu else []),
         *(["--transformer-impl", args.transformer_impl] if args.transformer_impl else []),
         *(["--moe-permute-fusion"] if args.moe_permute_fusion else []),
-        *([] if args.apply_rope_fusion is None else ["--apply-rope-fusion" if args.apply_rope_fusion else "--no-rope-fusion"]),
+        *{True: ["--apply-rope-fusion"], False: ["--no-rope-fusion"], None: []}[args.apply_rope_fusion],
         *(["--moe-router-fusion"] if args.moe_router_fusion else []),
         *(["--moe-grouped-gemm-impl", args.moe_grouped_gemm_impl] if args.moe_grouped_gemm_impl else []),
     ])
@@ -505,31 +508,70 @@ def main(argv=None):
 
     peak = bf16_peak(device) if on_gpu else (float("nan"), float("nan"))
     if rank == 0:
-        report = render(args, device, config, experts_class(model), variants, syncs, per_round, issue, prepare,
-                        device_ms, peak_memory, flops, tokens, peak, skipped)
+        figures = variant_figures(args, variants, syncs, per_round, issue, prepare, device_ms, peak_memory, flops,
+                                  tokens, peak)
+        report = render(args, device, config, experts_class(model), figures, flops, tokens, peak, skipped)
         if args.profile_device:
             report += "\n" + "\n".join(line for v in variants for line in kernel_table(
                 f"one `{v}` pass", kernels[v], args.profile_device, on_gpu))
         publish_report(report, args.out)
+        if args.out:  # the figures for bench.step_table, which puts several runs in one table
+            write_record(Path(args.out).with_suffix(".json"), {
+                "command": report_command(args), "device": device_name(device), "ep": args.ep,
+                "seq_length": args.seq_length, "microbatches": args.microbatches, "variants": figures})
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def render(args, device, config, experts, variants, syncs, per_round, issue, prepare, device_ms, peak_memory, flops,
-           tokens, peak, skipped) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
-    command += shlex.join(sys.argv[1:])
+def variant_figures(args, variants, syncs, per_round, issue, prepare, device_ms, peak_memory, flops, tokens,
+                    peak) -> dict[str, dict]:
+    """Each variant's figures of the report, by name (milliseconds, GiB, fractions; None where not measured)."""
     median = {v: statistics.median(per_round[v]) for v in variants}
-    issue_median = {v: statistics.median(issue[v]) for v in variants}
-    prepare_median = {v: statistics.median(prepare[v]) for v in variants}
+    figures = {}
+    for v in variants:
+        rate = flops / median[v]
+        device = device_ms.get(v)
+        issue_ms = 1e3 * statistics.median(issue[v])
+        figures[v] = {
+            "sync_debug": syncs[v].get("sync_debug"), "waits": syncs[v].get("waits"),
+            "pass_ms": 1e3 * median[v], "min_ms": 1e3 * min(per_round[v]), "max_ms": 1e3 * max(per_round[v]),
+            "prepare_ms": 1e3 * statistics.median(prepare[v]), "host_issue_ms": issue_ms, "device_ms": device,
+            "issue_over_device": issue_ms / device if device else None,
+            "peak_memory_gib": peak_memory[v] / 2**30 if v in peak_memory else None,
+            "tflops": rate / 1e12, "of_peak": rate / peak[0] if peak[0] == peak[0] else None,
+            "tokens_per_s": args.ep * tokens / median[v],
+            "vs_upstream": median[v] / median["upstream"], "vs_live": median[v] / median["live"],
+        }
+    return figures
+
+
+def report_command(args) -> str:
+    command = "torchrun --nproc-per-node {} -m bench.step ".format(args.ep) if args.ep > 1 else "python -m bench.step "
+    return command + shlex.join(sys.argv[1:])
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def write_record(path: Path, record: dict) -> None:
+    with atomic_output(str(path), overwrite=True) as temporary, open(temporary, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def cell(value, spec: str, scale: float = 1.0) -> str:
+    """``value * scale`` formatted by ``spec``, or ``-`` where not measured."""
+    return "-" if value is None else format(value * scale, spec)
+
+
+def render(args, device, config, experts, figures, flops, tokens, peak, skipped) -> str:
     data = ("rollout-shaped samples (final token without a route, padded rows)" if args.data == "rollout"
             else "full rows, every token routed")
     lines = [
-        f"### Update pass, {args.data} data, EP={args.ep} ({args.ep} x {name}, torch {torch.__version__}, "
-        f"{datetime.date.today().isoformat()})",
+        f"### Update pass, {args.data} data, EP={args.ep} ({args.ep} x {device_name(device)}, torch "
+        f"{torch.__version__}, {datetime.date.today().isoformat()})",
         "",
-        f"`{command}`",
+        f"`{report_command(args)}`",
         "",
         f"Model: {model_description(args)}, hidden {args.hidden_size}, {args.num_attention_heads} heads in "
         f"{args.num_query_groups} query groups, {args.num_experts} experts top-{args.moe_router_topk} "
@@ -552,25 +594,21 @@ def render(args, device, config, experts, variants, syncs, per_round, issue, pre
         "model TFLOP/s per GPU | of bf16 peak | tokens/s (all ranks) | vs upstream | vs live |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for v in variants:
-        rate = flops / median[v]
-        memory = f"{peak_memory[v] / 2**30:.1f}" if v in peak_memory else "-"
+    for v, f in figures.items():
         lines.append(
-            f"| {v} | {syncs[v].get('sync_debug', '-')} | {syncs[v].get('waits', '-')} | {1e3 * median[v]:.2f} | "
-            f"{1e3 * min(per_round[v]):.2f}..{1e3 * max(per_round[v]):.2f} | {1e3 * prepare_median[v]:.2f} | "
-            f"{1e3 * issue_median[v]:.2f} | {device_ms.get(v, float('nan')):.2f} | "
-            f"{1e3 * issue_median[v] / device_ms.get(v, float('nan')):.2f} | {memory} | "
-            f"{rate / 1e12:.1f} | {rate / peak[0]:.1%} | "
-            f"{args.ep * tokens / median[v]:.0f} | {median[v] / median['upstream']:.3f} | "
-            f"{median[v] / median['live']:.3f} |"
+            f"| {v} | {cell(f['sync_debug'], 'd')} | {cell(f['waits'], 'd')} | {f['pass_ms']:.2f} | "
+            f"{f['min_ms']:.2f}..{f['max_ms']:.2f} | {f['prepare_ms']:.2f} | {f['host_issue_ms']:.2f} | "
+            f"{cell(f['device_ms'], '.2f')} | {cell(f['issue_over_device'], '.2f')} | "
+            f"{cell(f['peak_memory_gib'], '.1f')} | {f['tflops']:.1f} | {cell(f['of_peak'], '.1%')} | "
+            f"{f['tokens_per_s']:.0f} | {f['vs_upstream']:.3f} | {f['vs_live']:.3f} |"
         )
     lines += ["", *skipped]
-    if "replay" in variants:
+    if "replay" in figures:
         lines.append(f"Host issue time, `replay` vs `upstream`: "
-                     f"{issue_median['replay'] / issue_median['upstream']:.3f}.")
-    if {"replay+host-splits", "replay+host-splits-unchecked"} <= set(variants):
-        lines.append(f"Per-expert check of the host counts: "
-                     f"{median['replay+host-splits'] / median['replay+host-splits-unchecked'] - 1:+.2%} of the pass.")
+                     f"{figures['replay']['host_issue_ms'] / figures['upstream']['host_issue_ms']:.3f}.")
+    if {"replay+host-splits", "replay+host-splits-unchecked"} <= figures.keys():
+        checked, unchecked = (figures[v]["pass_ms"] for v in ("replay+host-splits", "replay+host-splits-unchecked"))
+        lines.append(f"Per-expert check of the host counts: {checked / unchecked - 1:+.2%} of the pass.")
     return "\n".join(lines) + "\n"
 
 

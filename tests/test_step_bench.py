@@ -4,12 +4,14 @@ The benchmark itself times a GPU; its CPU smoke run (``--device cpu``) goes thro
 path with operators in place of kernels, which is what runs here.
 """
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench import kernel_table
@@ -99,3 +101,34 @@ def test_the_allgather_dispatcher_runs_and_skips_the_host_split_variants_with_th
             "(only 'alltoall' does).") in report
     rows = [row.split("|")[1].strip() for row in report.splitlines() if row.startswith("| ")]
     assert rows[1:] == ["live", "upstream", "replay"]  # the header first
+
+
+def test_the_step_table_puts_runs_in_one_table_by_shape_then_ep_and_reads_the_targets(tmp_path):
+    from bench.step_table import main as table_main, targets
+
+    _cpu_run(tmp_path, "--variants", "replay")  # writes step.md and, beside it, step.json
+    record = json.loads((tmp_path / "step.json").read_text())
+    assert record["ep"] == 1 and (record["seq_length"], record["microbatches"]) == (128, 2)
+    assert list(record["variants"]) == ["live", "upstream", "replay"]
+    replay = record["variants"]["replay"]
+    assert replay["pass_ms"] > 0 and replay["device_ms"] is None  # no device time on a CPU
+    assert replay["vs_live"] == pytest.approx(replay["pass_ms"] / record["variants"]["live"]["pass_ms"])
+    # a second run at another shape and EP, made up from the first: the table orders by shape, then EP
+    bigger = dict(record, ep=2, seq_length=256, command="torchrun --nproc-per-node 2 -m bench.step ...")
+    (tmp_path / "bigger.json").write_text(json.dumps(bigger))
+    out = tmp_path / "table.md"
+    table_main([str(tmp_path / "bigger.json"), str(tmp_path / "step.json"), "--out", str(out)])
+    rows = [line.split("|")[1:4] for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["2 x 128", "1", "live"], ["", "1", "upstream"], ["", "1", "replay"],
+        ["2 x 256", "2", "live"], ["", "2", "upstream"], ["", "2", "replay"]]
+    assert "- `torchrun --nproc-per-node 2 -m bench.step ...`" in out.read_text()
+    # the targets, from figures where a GPU measured them
+    f = dict(replay, device_ms=100.0, issue_over_device=0.4, of_peak=0.31, vs_live=0.99, vs_upstream=0.96)
+    lines = targets([dict(record, variants={"replay": f}), dict(bigger, variants={"replay": dict(f, of_peak=0.2)})])
+    assert lines == ["- host issue <= 0.5 x device: met by every row",
+                     "- MFU >= 30% of the bf16 peak: missed by 2 x 256 EP=2 replay (20.0%)",
+                     "- replay <= 1.00 x live: met by every row",
+                     "- replay <= 0.95 x upstream: missed by 2 x 128 EP=1 replay (0.960), 2 x 256 EP=2 replay (0.960)"]
+    with pytest.raises(SystemExit, match="not a bench.step record"):
+        table_main([str(tmp_path / "step.md")])
