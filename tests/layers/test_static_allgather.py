@@ -44,10 +44,30 @@ def test_static_shapes_replay_forced_routes_as_one_rank_does(data, forced):
     results = run_workers(run_replay_layout, 2, EP2, data, STATIC, forced)
     assert_replay_matches(replay_reference(reference, data, forced), results, data)
     # and the same losses and gradients as Megatron's dispatcher over the same two ranks, to the bit
-    megatron = run_workers(run_replay_layout, 2, EP2, data, Step(), forced)
+    assert_same_bits(results, run_workers(run_replay_layout, 2, EP2, data, Step(), forced), data)
+
+
+def assert_same_bits(results, megatron, data):
+    """Two runs gave the same per-token losses and gradients, bit for bit."""
     assert torch.equal(full_token_losses(results, data.num_tokens), full_token_losses(megatron, data.num_tokens))
     ours, theirs = full_grads(results), full_grads(megatron)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+# Other groups around the dispatch: the allgather spans TP x EP under TP with SP, a pipeline moves the
+# activations between stages, and full recompute runs each MoE layer's forward again in the backward.
+MORE_LAYOUTS = [
+    Layout(tp=2, sp=True, ep=2, etp=1, dp=2, dispatcher="allgather"),
+    Layout(pp=2, ep=2, dp=2, dispatcher="allgather"),
+    Layout(ep=2, dp=2, dispatcher="allgather", recompute="full"),
+]
+
+
+@pytest.mark.parametrize("layout", MORE_LAYOUTS, ids=lambda layout: layout.name)
+def test_static_shapes_give_megatrons_dispatchers_results_under_more_layouts(layout):
+    results = run_workers(run_replay_layout, layout.world_size, layout, BSHD_DATA, STATIC, BSHD_FORCED)
+    megatron = run_workers(run_replay_layout, layout.world_size, layout, BSHD_DATA, Step(), BSHD_FORCED)
+    assert_same_bits(results, megatron, BSHD_DATA)
 
 
 @contextlib.contextmanager
