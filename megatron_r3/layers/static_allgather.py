@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.moe.moe_utils import permute
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, permute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
@@ -85,3 +84,5 @@ class StaticShapeMoELayer(MoELayer):
                              f"device (torch's grouped GEMM: GroupedGemmExperts), not {type(self.experts).__name__}")
         self.token_dispatcher = StaticShapeAllGatherTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection)
+        if hasattr(self, "_training_token_dispatcher"):  # Megatron's inference-optimized layers swap it back in
+            self._training_token_dispatcher = self.token_dispatcher
