@@ -84,5 +84,3 @@ class StaticShapeMoELayer(MoELayer):
                              f"device (torch's grouped GEMM: GroupedGemmExperts), not {type(self.experts).__name__}")
         self.token_dispatcher = StaticShapeAllGatherTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection)
-        if hasattr(self, "_training_token_dispatcher"):  # Megatron's inference-optimized layers swap it back in
-            self._training_token_dispatcher = self.token_dispatcher
