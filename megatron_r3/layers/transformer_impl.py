@@ -155,7 +155,7 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
 
 
 def hybrid_stack_spec(config: TransformerConfig, hybrid_layer_pattern: str,
-                      grouped_gemm_impl: str = "transformer_engine") -> ModuleSpec:
+                      grouped_gemm_impl: str = "transformer_engine", static_allgather: bool = False) -> ModuleSpec:
     """The ``hybrid_stack_spec`` of a HybridModel of ``hybrid_layer_pattern`` for ``config.transformer_impl``.
 
     The local layers are :func:`~megatron_r3.layers.hybrid_specs.get_hybrid_stack_r3_spec`
@@ -163,23 +163,26 @@ def hybrid_stack_spec(config: TransformerConfig, hybrid_layer_pattern: str,
     symbol), whose MoE layers get the experts ``config`` asks for: ``TEGroupedMLP`` (or, with
     ``grouped_gemm_impl="torch"``, :class:`~megatron_r3.layers.grouped_experts.GroupedGemmExperts`)
     with ``moe_grouped_gemm``, else ``SequentialMLP`` of TE linears (Megatron's spec always has
-    grouped experts).
+    grouped experts). ``static_allgather`` builds the MoE layers as :func:`with_static_allgather` does.
     """
     if config.transformer_impl != "transformer_engine":
-        return get_hybrid_stack_r3_spec(hybrid_layer_pattern, config.num_moe_experts,
-                                        moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
+        stack = get_hybrid_stack_r3_spec(hybrid_layer_pattern, config.num_moe_experts,
+                                         moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm)
+        moe = stack.submodules.moe_layer.submodules.mlp
+    else:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as stack
 
-    check_hybrid_layer_pattern(hybrid_layer_pattern)
-    moe = get_moe_module_spec(use_te=True, num_experts=config.num_moe_experts,
-                              moe_grouped_gemm=config.moe_grouped_gemm)
-    if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
-        moe = _with_experts(moe, grouped_gemm_experts_spec())
-    moe_layer = te_hybrid_stack_spec.submodules.moe_layer
+        check_hybrid_layer_pattern(hybrid_layer_pattern)
+        moe = get_moe_module_spec(use_te=True, num_experts=config.num_moe_experts,
+                                  moe_grouped_gemm=config.moe_grouped_gemm)
+        if config.moe_grouped_gemm and grouped_gemm_impl == "torch":
+            moe = _with_experts(moe, grouped_gemm_experts_spec())
+    if static_allgather:
+        moe = _static_allgather(moe)
+    moe_layer = stack.submodules.moe_layer
     moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=moe))
-    return dataclasses.replace(
-        te_hybrid_stack_spec, submodules=dataclasses.replace(te_hybrid_stack_spec.submodules, moe_layer=moe_layer))
+    return dataclasses.replace(stack, submodules=dataclasses.replace(stack.submodules, moe_layer=moe_layer))
 
 
 def with_experts(block: TransformerBlockSubmodules, experts) -> TransformerBlockSubmodules:
@@ -190,7 +193,12 @@ def with_experts(block: TransformerBlockSubmodules, experts) -> TransformerBlock
 def with_static_allgather(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
     """``block`` with every MoE layer a :class:`~megatron_r3.layers.static_allgather.StaticShapeMoELayer`
     (``--moe-allgather-static-shapes``), its submodules unchanged."""
-    return _map_moe_layers(block, lambda moe: partial(StaticShapeMoELayer, *moe.args, **moe.keywords))
+    return _map_moe_layers(block, _static_allgather)
+
+
+def _static_allgather(moe: partial) -> partial:
+    """The MoE layer builder ``moe`` (a ``partial`` of ``MoELayer``) building a ``StaticShapeMoELayer``."""
+    return partial(StaticShapeMoELayer, *moe.args, **moe.keywords)
 
 
 def _map_moe_layers(block: TransformerBlockSubmodules, change) -> TransformerBlockSubmodules:

@@ -22,6 +22,7 @@ from tests.support.harness import Step, full_grads, full_token_losses
 from tests.support.launcher import run_workers
 from tests.support.parallel import Layout, init_parallel
 from tests.support.replay_layouts import random_forced_routes, run_replay_layout
+from tests.support.tiny_moe import TinyMoE
 from tests.test_layouts import BSHD_DATA, MODEL
 from tests.test_replay_layouts import assert_replay_matches, replay_reference
 
@@ -68,6 +69,38 @@ def test_static_shapes_give_megatrons_dispatchers_results_under_more_layouts(lay
     results = run_workers(run_replay_layout, layout.world_size, layout, BSHD_DATA, STATIC, BSHD_FORCED)
     megatron = run_workers(run_replay_layout, layout.world_size, layout, BSHD_DATA, Step(), BSHD_FORCED)
     assert_same_bits(results, megatron, BSHD_DATA)
+
+
+def _dispatcher_types_worker(model, flags):
+    """The token dispatchers' class names of the launcher's model of ``model`` with ``flags`` at EP=2."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from tests.support.tiny_moe import build_gpt
+
+    init_parallel(EP2)
+    try:
+        _, chunks = build_gpt(EP2, model, flags=flags)
+        layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+        return [type(layer.token_dispatcher).__name__ for layer in layers]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("pattern", [None, "*-*E*-*E"], ids=["gpt", "hybrid"])
+def test_the_flag_gives_every_moe_layer_the_static_dispatcher(pattern):
+    model = TinyMoE(hybrid_layer_pattern=pattern) if pattern else MODEL
+    for types in run_workers(_dispatcher_types_worker, 2, model, list(STATIC.flags)):
+        assert types == ["StaticShapeAllGatherTokenDispatcher"] * 2
+    for types in run_workers(_dispatcher_types_worker, 2, model, []):
+        assert types == ["MoEAllGatherTokenDispatcher"] * 2
+
+
+def test_a_hybrid_models_moe_layers_take_the_static_dispatcher_too():
+    hybrid = TinyMoE(hybrid_layer_pattern="*-*E*-*E")
+    forced = random_forced_routes(hybrid, BSHD_DATA.num_tokens, 33, 7)
+    results = run_workers(run_replay_layout, 2, EP2, BSHD_DATA, Step(model=hybrid, flags=STATIC.flags), forced)
+    assert_same_bits(results, run_workers(run_replay_layout, 2, EP2, BSHD_DATA, Step(model=hybrid), forced), BSHD_DATA)
 
 
 @contextlib.contextmanager
@@ -140,14 +173,9 @@ def test_one_dispatch_reads_nothing_back_and_hands_the_experts_a_fixed_number_of
         assert torch.equal(out, m_out)  # the NaN rows past the routed ones counted for nothing
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--moe-allgather-static-shapes"], "needs --moe-token-dispatcher-type allgather"),
-    (["--moe-allgather-static-shapes", "--moe-token-dispatcher-type", "allgather", "--hybrid-layer-pattern", "*E"],
-     "a HybridModel's"),
-])
-def test_the_flag_is_refused_where_it_does_not_apply(flags, message):
-    with pytest.raises(ValueError, match=message):
-        model_settings(parse_args(flags))
+def test_the_flag_is_refused_without_the_allgather_dispatcher():
+    with pytest.raises(ValueError, match="needs --moe-token-dispatcher-type allgather"):
+        model_settings(parse_args(["--moe-allgather-static-shapes"]))
 
 
 def _sequential_experts_worker():

@@ -141,9 +141,6 @@ class ModelSettings:
     def __post_init__(self):
         if self.moe_allgather_static_shapes and self.moe_token_dispatcher_type != "allgather":
             raise ValueError("--moe-allgather-static-shapes needs --moe-token-dispatcher-type allgather")
-        if self.moe_allgather_static_shapes and self.hybrid_layer_pattern is not None:
-            raise ValueError("--moe-allgather-static-shapes builds GPTModel's MoE layers; a HybridModel's "
-                             "(--hybrid-layer-pattern) keep Megatron's allgather dispatcher")
         if self.hybrid_layer_pattern is not None and hybrid_num_layers(self.hybrid_layer_pattern) != self.num_layers:
             raise ValueError(f"num_layers {self.num_layers} does not match hybrid_layer_pattern "
                              f"{self.hybrid_layer_pattern!r} ({hybrid_num_layers(self.hybrid_layer_pattern)} layers)")
@@ -308,7 +305,8 @@ def build_model(model: ModelSettings, config: TransformerConfig,
                                       static_allgather=model.moe_allgather_static_shapes)
             chunk = GPTModel(transformer_layer_spec=spec, **common)
         else:
-            spec = hybrid_stack_spec(config, pattern, grouped_gemm_impl=grouped_gemm_impl)
+            spec = hybrid_stack_spec(config, pattern, grouped_gemm_impl=grouped_gemm_impl,
+                                     static_allgather=model.moe_allgather_static_shapes)
             chunk = HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, **common)
         chunks.append(chunk.to(device))
     return chunks
