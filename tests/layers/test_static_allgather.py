@@ -4,8 +4,8 @@ Over two expert ranks (gloo) the layouts must take the forced routes and give th
 and gradients (and Megatron's dispatcher's, to the bit), including where every token goes to the other
 rank's experts (one rank's experts get no row: all its rows are past the routed ones) and at odd lengths;
 one dispatch must read nothing back to the host and hand the experts the same number of rows whatever the
-routes. On 2 GPUs (NCCL) a live step makes no host sync, with the unfused permutation and with TE's fused
-one.
+routes. The flag gives every MoE layer of a GPTModel and of a HybridModel the static dispatcher. On 2 GPUs
+(NCCL) a live step makes no host sync, with the unfused permutation and with TE's fused one.
 """
 
 import contextlib
