@@ -32,6 +32,7 @@ MODEL = TinyMoE(hidden_size=32, moe_ffn_hidden_size=32, num_experts=4, max_seque
 ENGINE_FLAGS = ["--bf16", "--moe-grouped-gemm", "--moe-enable-routing-replay"]  # the engine's kind of model
 TRAINER_FLAGS = ["--moe-enable-routing-replay"]  # the trainer's: fp32 with the local layers, grouped experts
 BF16_TRAINER_FLAGS = TRAINER_FLAGS + ["--bf16"]
+STATIC_ALLGATHER = ["--moe-token-dispatcher-type", "allgather", "--moe-allgather-static-shapes"]
 ROW = 128
 
 
@@ -113,7 +114,8 @@ def _recording_worker(flags):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", [ENGINE_FLAGS, BF16_TRAINER_FLAGS], ids=["engine-bf16", "trainer-bf16"])
+@pytest.mark.parametrize("flags", [ENGINE_FLAGS, BF16_TRAINER_FLAGS, ENGINE_FLAGS + STATIC_ALLGATHER],
+                         ids=["engine-bf16", "trainer-bf16", "engine-bf16-static-allgather"])
 def test_recording_replays_give_the_eager_logits_and_routes_bit_for_bit(flags):
     (result,) = run_workers(_recording_worker, 1, flags, backend="nccl")
     assert result == {"enabled": True, "graphs": 1, "equal": [(True, True, True)] * 5, "kept": [True] * 5}
@@ -165,8 +167,9 @@ def _counts_worker(flags):
 @pytest.mark.parametrize("flags, on_device", [
     (ENGINE_FLAGS, True),
     (ENGINE_FLAGS + ["--moe-token-dispatcher-type", "allgather"], False),  # it reads them back: no capture
+    (ENGINE_FLAGS + STATIC_ALLGATHER, True),  # sized for the most rows: nothing read back
     (["--bf16", "--no-moe-grouped-gemm", "--moe-enable-routing-replay"], False),  # SequentialMLP: host counts
-], ids=["alltoall-grouped", "allgather", "sequential"])
+], ids=["alltoall-grouped", "allgather", "allgather-static", "sequential"])
 def test_graphs_need_moe_layers_that_keep_their_counts_on_the_device(flags, on_device):
     assert run_workers(_counts_worker, 1, flags, backend="gloo") == [on_device]
 
