@@ -24,6 +24,11 @@ def publish_report(report: str, out: Optional[str]) -> None:
             f.write(report)
 
 
+def cell(value, spec: str) -> str:
+    """A table cell: ``value`` formatted by ``spec``, or ``-`` where it was not measured (None)."""
+    return "-" if value is None else format(value, spec)
+
+
 CALLERS = 5  # entries of a host profile whose callers it names: what issued a library's busiest calls
 
 

@@ -76,7 +76,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_routing import host_counts_unsupported
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from bench import host_profile, kernel_table, kernel_times, publish_report
+from bench import cell, host_profile, kernel_table, kernel_times, publish_report
 from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
@@ -557,11 +557,6 @@ def device_name(device) -> str:
 def write_record(path: Path, record: dict) -> None:
     with atomic_output(str(path), overwrite=True) as temporary, open(temporary, "w") as f:
         json.dump(record, f, indent=1)
-
-
-def cell(value, spec: str, scale: float = 1.0) -> str:
-    """``value * scale`` formatted by ``spec``, or ``-`` where not measured."""
-    return "-" if value is None else format(value * scale, spec)
 
 
 def render(args, device, config, experts, figures, flops, tokens, peak, skipped) -> str:

@@ -16,15 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-from bench import publish_report
+from bench import cell, publish_report
 
 HEAD = ("| rows per rank | EP | variant | pass ms | host issue ms | device ms | host issue / device | of bf16 peak | "
         "peak memory GiB | tokens/s (all ranks) | vs upstream | vs live |")
 RULE = "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-
-
-def cell(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def table(records: list[dict]) -> str:
