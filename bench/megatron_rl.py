@@ -12,7 +12,8 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   (``EXTRA_ARGS=--timing-log-level 1``), its two forward-only passes over the same bins each iteration, with
   replay and routing live, paired by iteration (replay's cost in the trainer's forward within one run);
 * then ``--rounds`` pairs of runs alternating replay on and off (without the metrics pass; 0: none; replay first
-  in the first round, live first in the second, and so on), with a row per round where there are several,
+  in the first round, or live with ``--live-first``, and the other way in the next), with a row per round where
+  there are several,
   ``--iters`` iterations each: the step time is Megatron's "elapsed time per iteration" of
   iterations after ``--skip`` (start-up, graph capture), replay's mean over live's; where the runs log
   Megatron's timers (``EXTRA_ARGS=--timing-log-level 1``), each phase's too (forward-backward, the
@@ -421,6 +422,9 @@ def main(argv=None):
                         help="the run with --rl-routing-replay-metrics (k3 with and without replay)")
     parser.add_argument("--rounds", type=int, help="replay/live pairs of step-time runs (default 2; 0: none)")
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
+    parser.add_argument("--live-first", action="store_true",
+                        help="the first round runs live, then replay (later rounds alternate): a round to pool, through "
+                             "--from-step-logs, with one run replay-first in another call")
     parser.add_argument("--frozen-policy", action="store_true",
                         help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
                              "replay and live sample from the same policy throughout")
@@ -434,8 +438,9 @@ def main(argv=None):
                         help="run nothing: the step-time report from the logs of earlier runs, a replay log and a "
                              "live log per round")
     args = parser.parse_args(argv)
-    if args.frozen_policy and (args.from_step_logs is not None or args.from_log is not None):
-        parser.error("--frozen-policy sets how the step-time runs train: --from-log and --from-step-logs run nothing")
+    for flag, given in (("--frozen-policy", args.frozen_policy), ("--live-first", args.live_first)):
+        if given and (args.from_step_logs is not None or args.from_log is not None):
+            parser.error(f"{flag} sets how the step-time runs go: --from-log and --from-step-logs run nothing")
     if args.from_step_logs is not None:
         if args.from_log is not None or args.rounds:
             parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
@@ -464,6 +469,8 @@ def main(argv=None):
         flags += f" --init {args.init}"
     if args.frozen_policy:
         flags += " --frozen-policy"
+    if args.live_first:
+        flags += " --live-first"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
@@ -477,7 +484,7 @@ def main(argv=None):
     for round_index in range(args.rounds):
         # replay first in odd rounds, live first in even ones: over an even number of rounds the order's effect
         # (a warmer host, a fuller page cache) falls on both sides alike
-        for replay in (True, False) if round_index % 2 == 0 else (False, True):
+        for replay in (True, False) if (round_index + args.live_first) % 2 == 0 else (False, True):
             command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
                                      tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
                                      extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")

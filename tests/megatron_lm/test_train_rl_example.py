@@ -551,6 +551,15 @@ def test_the_bench_alternates_which_side_runs_first_and_reports_each_round(tmp_p
     with pytest.raises(SystemExit):  # a replay log without its live log
         bench.main(["--from-step-logs", *map(str, logs[:3]), "--out", str(tmp_path / "odd.md")])
     assert not (tmp_path / "odd.md").exists()
+    # --live-first: a round to pool with another call's replay-first one
+    runs = iter([(False, [9000.0, 5000.0], [4000.0, 1000.0]), (True, [9000.0, 6000.0], [4000.0, 2000.0])])
+    order.clear()
+    bench.main(["--no-k3", "--rounds", "1", "--live-first", "--skip", "1", "--runs", str(tmp_path / "runs"),
+                "--out", str(tmp_path / "live-first.md")])
+    assert order == ["time-live-0", "time-replay-0"]
+    assert "--rounds 1 --live-first" in (tmp_path / "live-first.md").read_text()
+    with pytest.raises(SystemExit):  # it says how runs go: nothing runs from logs
+        bench.main(["--from-step-logs", *map(str, logs[:2]), "--live-first", "--out", str(tmp_path / "x.md")])
 
 
 def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
