@@ -81,8 +81,8 @@ from megatron_r3.dataplane.device.batch_plan import PlannedBatch
 from megatron_r3.dataplane.device.expert_counts import ExpertCountExchange
 from megatron_r3.dataplane.device.microbatch_pipeline import MicrobatchPipeline
 from megatron_r3.dataplane.device.microbatches import RowLayout
-from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.device.plan import RankLayout
+from megatron_r3.dataplane.formats.output_files import atomic_output
 from megatron_r3.dataplane.routes import RolloutRoutes
 from megatron_r3.dataplane.samples import RoutingSpec
 from megatron_r3.dataplane.samples import RolloutSample
