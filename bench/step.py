@@ -25,8 +25,10 @@ loss) on the same samples, prepared by the loop's microbatch pipeline
 * ``live+graph``, ``replay+graph``: ``live`` and ``replay`` with the whole pass (every
   microbatch, forward and backward) one CUDA graph, Megatron's ``FullCudaGraphWrapper``
   (:mod:`megatron_r3.rl.trainer.update_graphs`; device token counts, as a graph needs), where
-  the layout allows (one GPU per replica, grouped experts that keep their token counts on the
-  device: ``--moe-grouped-gemm-impl torch``); skipped, with the reason, elsewhere. One graph per
+  the layout allows (grouped experts that keep their token counts on the device:
+  ``--moe-grouped-gemm-impl torch``; at EP > 1 also a dispatcher that does:
+  ``--moe-token-dispatcher-type allgather --moe-allgather-static-shapes``; the benchmark's pass
+  has no DDP reduction); skipped, with the reason, elsewhere. One graph per
   process: a graphed variant whose graph another replaced is captured again, untimed, and every
   variant timed after a capture in the same round first runs one pass untimed (a capture empties
   the allocator's cache). Every variant runs on the trainer's stream and zeroes its gradients in
@@ -519,6 +521,9 @@ def main(argv=None):
             write_record(Path(args.out).with_suffix(".json"), {
                 "command": report_command(args), "device": device_name(device), "ep": args.ep,
                 "seq_length": args.seq_length, "microbatches": args.microbatches, "variants": figures})
+    # A graph that captured NCCL's collectives (the allgathers at EP > 1) keeps its communicator from being
+    # destroyed until the graph is: drop it first.
+    update_pass.graphs.reset()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -1,7 +1,11 @@
-"""bench.step's kernel profile (--profile-device): the table a missed MFU target is read from.
+"""bench.step: its kernel profile (--profile-device), the table a missed MFU target is read from, its
+records, and its graphed passes at two expert ranks.
 
 The benchmark itself times a GPU; its CPU smoke run (``--device cpu``) goes through the same code
-path with operators in place of kernels, which is what runs here.
+path with operators in place of kernels, which is what runs here. On two GPUs, the graphed pass at
+EP=2 with the static-shape allgather dispatcher gives the eager pass's gradients bit for bit for new
+batches, and the benchmark's process ends after it (a graph holding NCCL's collectives keeps the
+communicator from being destroyed until the graph is).
 """
 
 import json
@@ -13,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from bench import kernel_table
 from bench.step import compute_ms, flat_gradient_buffers
+from tests.support.launcher import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,18 +66,27 @@ def test_the_kernel_table_gives_each_kernels_share_of_all_kernels_time():
     assert rows[1] == "| `'attn'` | 2 | 3.00 | 30.0% |"
 
 
-def _cpu_run(tmp_path, *flags) -> str:
-    """A one-pass CPU run of bench.step on a tiny model; its markdown report."""
+# A tiny model of bench.step's shape.
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--seq-length", "128",
+        "--micro-batch-size", "2", "--microbatches", "2", "--vocab-size", "128"]
+STATIC_ALLGATHER = ["--moe-grouped-gemm-impl", "torch", "--moe-token-dispatcher-type", "allgather",
+                    "--moe-allgather-static-shapes"]
+
+
+def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return str(s.getsockname()[1])
+
+
+def _cpu_run(tmp_path, *flags) -> str:
+    """A one-pass CPU run of bench.step on a tiny model; its markdown report."""
     out = tmp_path / "step.md"
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
     run = subprocess.run(
-        [sys.executable, "-m", "bench.step", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--num-experts", "8", "--moe-router-topk", "2",
-         "--moe-ffn-hidden-size", "32", "--seq-length", "128", "--micro-batch-size", "2", "--microbatches", "2",
-         "--vocab-size", "128", "--rounds", "1", "--steps", "1", "--warmup", "1", *flags, "--out", str(out)],
+        [sys.executable, "-m", "bench.step", "--device", "cpu", *TINY, "--rounds", "1", "--steps", "1", "--warmup", "1",
+         *flags, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return out.read_text()
@@ -132,3 +147,85 @@ def test_the_step_table_puts_runs_in_one_table_by_shape_then_ep_and_reads_the_ta
                      "- replay <= 0.95 x upstream: missed by 2 x 128 EP=1 replay (0.960), 2 x 256 EP=2 replay (0.960)"]
     with pytest.raises(SystemExit, match="not a bench.step record"):
         table_main([str(tmp_path / "step.md")])
+
+
+def _graph_reason_worker(flags):
+    """Why bench.step's pass at EP=2 (no DDP: the benchmark times the pass alone) is not one graph, or None."""
+    from megatron.core import tensor_parallel
+
+    from bench import step
+    from megatron_r3.rl.trainer.update_graphs import layout_reason
+
+    args = step.parse_args([*TINY, "--device", "cpu", "--ep", "2", *flags])
+    device = step.initialize(args)
+    try:
+        model, _ = step.build_model(args, device)
+        tensor_parallel.get_cuda_rng_tracker().use_cudagraphable_rng = True  # as bench.step makes it on a GPU
+        return layout_reason([model])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (STATIC_ALLGATHER, None),
+    (["--moe-grouped-gemm-impl", "torch"], "several expert ranks: the dispatcher reads its token counts on the host"),
+], ids=["static-allgather", "alltoall"])
+def test_the_pass_at_two_expert_ranks_is_one_graph_where_the_dispatch_keeps_its_counts_on_the_device(flags, reason):
+    for got in run_workers(_graph_reason_worker, 2, flags, backend="gloo"):
+        assert (got is None) if reason is None else (reason in got), got
+
+
+def _graphed_pass_worker(variant):
+    """bench.step's eager and graphed ``variant`` passes over three batches of the captured shape (full rows:
+    every batch has one shape): whether each graph replay gave the eager pass's gradients bit for bit."""
+    import torch.distributed as dist
+
+    from bench import step
+    from megatron_r3.routing_replay import chunk_moe_layers
+
+    args = step.parse_args([*TINY, "--ep", "2", "--data", "full", *STATIC_ALLGATHER])
+    device = step.initialize(args)
+    try:
+        model, config = step.build_model(args, device)
+        layers = tuple(chunk_moe_layers(model))
+        rank = dist.get_rank()
+        update_pass = step.UpdatePass(args, model, config, device, step.make_samples(args, layers, seed=rank))
+        checks = []
+        for batch in range(3):  # the first batch's graph, captured by settle, replays the next two
+            update_pass.samples = step.make_samples(args, layers, seed=10 * (batch + 1) + rank)
+            grads = []
+            for name in (variant, variant + "+graph"):
+                update_pass.settle(name)
+                update_pass(name, update_pass.plan(name))
+                torch.cuda.synchronize()
+                grads.append(torch.cat([buffer.float() for buffer in update_pass.grad_buffers]))
+            checks.append((torch.equal(*grads), bool(grads[0].abs().sum() > 0)))
+        captures = update_pass.graphs.captures
+        update_pass.graphs.reset()
+        return captures, checks
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["replay", "live"])
+def test_the_graphed_pass_at_ep2_gives_the_eager_gradients_bit_for_bit(variant):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert run_workers(_graphed_pass_worker, 2, variant, backend="nccl") == [(1, [(True, True)] * 3)] * 2
+
+
+@pytest.mark.gpu
+def test_a_graphed_run_at_ep2_ends(tmp_path):
+    """The benchmark's own process, graphed at EP=2, reports and exits (no hang in NCCL's teardown)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "step.md"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
+         "-m", "bench.step", *TINY, "--ep", "2", *STATIC_ALLGATHER, "--variants", "replay+graph", "--rounds", "1",
+         "--steps", "1", "--warmup", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [row.split("|")[1].strip() for row in out.read_text().splitlines() if row.startswith("| ")]
+    assert rows[1:] == ["live", "upstream", "replay+graph"]

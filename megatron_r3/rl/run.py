@@ -396,3 +396,4 @@ def train(settings: RunSettings, device: torch.device, log: Callable[[str], None
             return run_iterations(run, log, metrics_mode, stops)
     finally:
         run.source.close()
+        run.trainer.update.reset()  # before the process group: a graph holding NCCL's collectives keeps it

@@ -67,15 +67,20 @@ def token_counts_stay_on_device(chunk: torch.nn.Module) -> bool:
                for layer in chunk.modules() if isinstance(layer, MoELayer))
 
 
-def one_rank_per_replica() -> bool:
-    """No pipeline, tensor, context or expert parallelism: a forward talks to no other rank."""
+def only_expert_parallelism() -> bool:
+    """No pipeline, tensor, context or expert-tensor parallelism: a forward talks to other ranks only in its
+    MoE layers' token dispatch, if at all."""
     return all(size == 1 for size in (
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_context_parallel_world_size(),
-        parallel_state.get_expert_model_parallel_world_size(),
         parallel_state.get_expert_tensor_parallel_world_size(),
     ))
+
+
+def one_rank_per_replica() -> bool:
+    """No pipeline, tensor, context or expert parallelism: a forward talks to no other rank."""
+    return only_expert_parallelism() and parallel_state.get_expert_model_parallel_world_size() == 1
 
 
 def static_padded(params: PackedSeqParams, cu_seqlens: torch.Tensor) -> Optional[torch.Tensor]:

@@ -10,14 +10,19 @@ schedule eagerly, its second captures it on Megatron's shared capture stream and
 and later calls replay. :class:`UpdatePassGraphs` runs the trainer's update pass through it
 where the layout allows (:func:`eager_reason`):
 
-* one model chunk on a GPU and one rank per model replica: no pipeline, tensor, context or
-  expert parallelism, and one data-parallel rank (the only collectives are then a rank's own);
-  with several expert ranks the alltoall dispatcher needs its split sizes on the host, which a
-  graph would keep from the captured batch;
+* one model chunk on a GPU and no pipeline, tensor or context parallelism; several expert ranks
+  where every MoE layer keeps its counts on the device, which at more than one expert rank only the
+  static-shape allgather dispatcher does (``--moe-allgather-static-shapes``: its all-gathers are
+  then the forward's only collectives; the alltoall dispatcher needs its split sizes on the host,
+  which a graph would keep from the captured batch); several data-parallel ranks, whose reduction
+  ``finalize_model_grads`` makes at the end of the schedule, in the graph, as in Megatron-LM's
+  full-iteration graphs (NCCL's collectives are captured as any kernel; the token count it divides
+  by is a device tensor), but not with ``--overlap-grad-reduce``, whose bucket hooks start the
+  reduction from inside the backward;
 * MoE layers that keep their token counts on the device (the alltoall dispatcher at one expert
-  rank and grouped experts that read them there: ``GroupedGemmExperts``; ``TEGroupedMLP``,
-  ``SequentialMLP`` and the allgather dispatcher read them on the host); host token counts are
-  not used in a graph, as they would be constants of it;
+  rank, the static-shape allgather dispatcher, and grouped experts that read them there:
+  ``GroupedGemmExperts``; ``TEGroupedMLP``, ``SequentialMLP`` and Megatron's allgather dispatcher
+  read them on the host); host token counts are not used in a graph, as they would be constants of it;
 * Megatron's RNG tracker is graph-safe (``use_cudagraphable_rng``): the wrapper registers its
   generators with the graph. The launcher makes it so where the trainer's graphs are on.
 
@@ -28,6 +33,10 @@ same for every batch. The weights and DDP's gradient buffers keep their storage 
 steps in place, the trainer zeroes the buffers in place before each pass), and the pass runs on
 the stream DDP was built on, which is Megatron's capture stream
 (:func:`~megatron_r3.rl.trainer.training_stack.on_training_stream`).
+
+A graph that captured NCCL's collectives keeps their communicator from being destroyed (NCCL counts
+the graphs that hold it): :meth:`UpdatePassGraphs.reset` drops the graph, which the run does before
+it destroys the process group.
 
 The wrapper's state belongs to its class: one update graph per process. A pass of another
 shape (number of microbatches, row length, routes or none, a microbatch with tokens routed
@@ -48,6 +57,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -55,7 +65,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_r3.dataplane.device.microbatch_pipeline import PassItem
 from megatron_r3.dataplane.device.prefetch import PreparedMicrobatches
 from megatron_r3.dataplane.device.transport import PackedRoutes
-from megatron_r3.rl.model.forward_graphs import one_rank_per_replica, rope_table_length, token_counts_stay_on_device
+from megatron_r3.rl.model.forward_graphs import only_expert_parallelism, rope_table_length, token_counts_stay_on_device
 from megatron_r3.rl.model.passes import LossFn, PassResult, run_pass
 from megatron_r3.rl.trainer.training_stack import on_training_stream
 
@@ -73,16 +83,20 @@ def eager_reason(chunks: Sequence[torch.nn.Module]) -> Optional[str]:
 
 def layout_reason(chunks: Sequence[torch.nn.Module]) -> Optional[str]:
     """Why the update pass of ``chunks`` cannot be one graph in this layout, model and RNG tracker, on a GPU."""
-    if not one_rank_per_replica():
-        return ("pipeline, tensor, context or expert parallelism: the pass talks to other ranks (with several "
-                "expert ranks the alltoall dispatcher needs its split sizes on the host)")
-    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        return "several data-parallel ranks: DDP's reduction is not captured"
+    if not only_expert_parallelism():
+        return "pipeline, tensor or context parallelism: the pass talks to other ranks"
     if len(chunks) != 1:
         return "virtual pipeline stages"
     if not token_counts_stay_on_device(chunks[0]):
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            return ("several expert ranks: the dispatcher reads its token counts on the host "
+                    "(--moe-allgather-static-shapes keeps them on the device)")
         return ("experts or a dispatcher that read their token counts on the host (TEGroupedMLP, SequentialMLP, "
                 "the allgather dispatcher)")
+    if (parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
+            and any(isinstance(chunk, DistributedDataParallel) and chunk.ddp_config.overlap_grad_reduce
+                    for chunk in chunks)):
+        return "--overlap-grad-reduce over several data-parallel ranks: DDP's bucket hooks are not captured"
     if not tensor_parallel.get_cuda_rng_tracker().use_cudagraphable_rng:
         return "Megatron's RNG tracker is not graph-safe (use_cudagraphable_rng)"
     return None

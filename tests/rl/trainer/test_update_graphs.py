@@ -1,11 +1,13 @@
 """megatron_r3.rl.trainer.update_graphs: the whole update pass as Megatron's full-iteration CUDA graph.
 
 On a GPU, a replay must give the eager pass's loss, metrics and every gradient in DDP's
-buffers bit for bit over all microbatches, for new batches of the captured shape (other
-samples, routes and advantages) and with the weights as they are at the replay, with no
-device sync; R3 with filler routes, R2 with its old log-probs, and live routing, for a bf16
-trainer. On CPUs: which layouts graph (and why the others do not), the start-up line, the
-shapes a graph is specific to, and the forward step reading the wrapper's copies of its inputs.
+buffers bit for bit over all microbatches (on one rank, and on two data-parallel ranks after DDP's
+reduction, which the graph holds, at EP=1 and at EP=2 with the static-shape allgather
+dispatcher), for new batches of the captured shape (other samples, routes and advantages) and
+with the weights as they are at the replay, with no device sync; R3 with filler routes, R2 with
+its old log-probs, and live routing, for a bf16 trainer. On CPUs: which layouts graph (and why
+the others do not), the start-up line, the shapes a graph is specific to, and the forward step
+reading the wrapper's copies of its inputs.
 """
 
 import numpy as np
@@ -21,6 +23,8 @@ from tests.test_launch import EMBEDDED_FLAGS
 
 # Two microbatches of two samples on one rank: the graph covers both.
 TWO_MICROBATCHES = EMBEDDED_FLAGS + ["--global-batch-size", "4", "--micro-batch-size", "2"]
+STATIC_ALLGATHER = ["--moe-grouped-gemm-impl", "torch", "--moe-token-dispatcher-type", "allgather",
+                    "--moe-allgather-static-shapes"]
 
 
 def _grads(chunk):
@@ -88,6 +92,7 @@ def _update_worker(argv, mode):
         return {"enabled": trainer.update.enabled, "captures": trainer.update.captures, "checks": checks}
     finally:
         run.source.close()
+        run.trainer.update.reset()  # before the process group goes (a graph holding NCCL's collectives keeps it)
         parallel_state.destroy_model_parallel()
 
 
@@ -99,6 +104,24 @@ def test_update_replays_give_the_eager_pass_bit_for_bit(mode):
     argv = TWO_MICROBATCHES + ["--bf16", "--moe-grouped-gemm-impl", "torch"] + flags
     (result,) = run_workers(_update_worker, 1, argv, mode, backend="nccl")
     assert result == {"enabled": True, "captures": 1, "checks": [(True, True, True, True)] * 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, flags", [
+    ("r3", ["--moe-grouped-gemm-impl", "torch"]),
+    ("live", ["--moe-grouped-gemm-impl", "torch"]),
+    ("r3", ["--expert-model-parallel-size", "2", *STATIC_ALLGATHER]),
+    ("live", ["--expert-model-parallel-size", "2", *STATIC_ALLGATHER]),
+], ids=["dp2-r3", "dp2-live", "ep2-static-allgather-r3", "ep2-static-allgather-live"])
+def test_update_replays_with_ddps_reduction_give_the_eager_pass_bit_for_bit(mode, flags):
+    """Two data-parallel ranks (at EP=2 also two expert ranks): DDP's reduction in the graph, each rank's reduced
+    gradients against its eager pass's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    argv = EMBEDDED_FLAGS + ["--global-batch-size", "8", "--micro-batch-size", "2", "--bf16", *flags] + (
+        ["--moe-enable-routing-replay"] if mode == "r3" else [])
+    results = run_workers(_update_worker, 2, argv, mode, backend="nccl")
+    assert results == [{"enabled": True, "captures": 1, "checks": [(True, True, True, True)] * 4}] * 2
 
 
 def _summary_worker(argv, on_gpu):
@@ -141,12 +164,17 @@ def _layout_worker(argv, graph_safe_rng):
     (1, ["--moe-grouped-gemm-impl", "torch"], True, None),
     (1, ["--moe-grouped-gemm-impl", "torch"], False, "RNG tracker is not graph-safe"),
     (1, ["--no-moe-grouped-gemm"], True, "read their token counts on the host"),
-    (2, ["--global-batch-size", "8"], True, "several data-parallel ranks"),
-    (2, ["--expert-model-parallel-size", "2"], True, "expert ranks the alltoall dispatcher needs"),
-    (2, ["--tensor-model-parallel-size", "2"], True, "the pass talks to other ranks"),
+    (2, ["--global-batch-size", "8", "--moe-grouped-gemm-impl", "torch"], True, None),
+    (2, ["--global-batch-size", "8", "--moe-grouped-gemm-impl", "torch", "--overlap-grad-reduce"], True,
+     "--overlap-grad-reduce over several data-parallel ranks"),
+    (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm-impl", "torch"], True,
+     "several expert ranks: the dispatcher reads its token counts on the host"),
+    (2, ["--expert-model-parallel-size", "2", *STATIC_ALLGATHER], True, None),
+    (2, ["--tensor-model-parallel-size", "2"], True, "pipeline, tensor or context parallelism"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], True,
-     "the pass talks to other ranks"),
-], ids=["one-rank-grouped", "rng-not-graph-safe", "sequential-experts", "dp2", "ep2", "tp2", "pp2-vp2"])
+     "pipeline, tensor or context parallelism"),
+], ids=["one-rank-grouped", "rng-not-graph-safe", "sequential-experts", "dp2", "dp2-overlap", "ep2",
+        "ep2-static-allgather", "tp2", "pp2-vp2"])
 def test_which_layouts_graph_their_update_pass(ranks, flags, graph_safe_rng, reason):
     argv = TWO_MICROBATCHES + ["--moe-enable-routing-replay", *flags]
     for got in run_workers(_layout_worker, ranks, argv, graph_safe_rng, backend="gloo"):
