@@ -163,3 +163,15 @@ def test_the_train_rl_warm_start_figures_on_one_gpu_are_the_file(name, collectio
     assert f"in {len(tails)} of the {collections} collections (iterations {named}," in bench
     assert verdict.format(f"{replay / live:.3f}") in bench
 
+
+
+@pytest.mark.parametrize("gpus, name", [(1, "r3-default-gpu-a2349c7-metrics.jsonl"),
+                                        (2, "r3-default-gpu2-ebc2ccd-metrics.jsonl")])
+def test_the_gpu_reruns_figures_are_the_files(gpus, name):
+    rows = [json.loads(line) for line in (ROOT / "docs" / name).read_text().splitlines()]
+    assert len(rows) == 40 and mean(rows, "mismatch/replay/frac_abs_gt_ln2") == 0
+    replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
+    row = f"| {sci(replay)} | {sci(live)} | **{live / replay:.0f}x** | {mean(rows, 'routing/agreement'):.3f} |"
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert any(line.startswith(f"| {gpus} GPU") and f"`docs/{name}`" in bench and line.endswith(row)
+               for line in bench.splitlines()), row
