@@ -90,7 +90,7 @@ def layout_reason(chunks: Sequence[torch.nn.Module]) -> Optional[str]:
     if not token_counts_stay_on_device(chunks[0]):
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             return ("several expert ranks: the dispatcher reads its token counts on the host "
-                    "(--moe-allgather-static-shapes keeps them on the device)")
+                    "(--moe-token-dispatcher-type allgather --moe-allgather-static-shapes keeps them on the device)")
         return ("experts or a dispatcher that read their token counts on the host (TEGroupedMLP, SequentialMLP, "
                 "the allgather dispatcher)")
     if (parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
