@@ -41,7 +41,10 @@ it destroys the process group.
 The wrapper's state belongs to its class: one update graph per process. A pass of another
 shape (number of microbatches, row length, routes or none, a microbatch with tokens routed
 live, R2's old log-probs or none) resets it; the next pass then runs eagerly and the one after
-captures again.
+captures again. Where the graph holds other ranks' collectives (several data-parallel or expert
+ranks) every rank must capture in the same pass (the capture's barriers, the collectives in the
+graph), so the key holds nothing a rank's own data decides: whether every token of a microbatch
+has a route is left to the device there (:func:`routes_left_to_the_device`).
 
 TransformerEngine's graphed callables (``--cuda-graph-impl transformer_engine``, Megatron's
 ``TECudaGraphHelper``) are not used: they capture one layer at a time with its hidden states
@@ -126,6 +129,8 @@ class UpdatePassGraphs:
         self._wrapper = None  # made by the first pass (it makes a CUDA stream)
         self._key: Optional[tuple] = None
         self._routings: Optional[list] = None  # the captured pass's MoERoutings, which its replays write
+        self._across_ranks = (parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1
+                              or parallel_state.get_expert_model_parallel_world_size() > 1)
 
     @property
     def enabled(self) -> bool:
@@ -144,6 +149,8 @@ class UpdatePassGraphs:
             if not self.enabled:
                 return run_pass(self.chunks, microbatches, self.loss_fn, forward_only=False)
             items = microbatches.all_items()
+            if self._across_ranks:
+                items = [[routes_left_to_the_device(item) for item in per_chunk] for per_chunk in items]
             key = graph_key(items)
             if key is None:
                 return run_pass(self.chunks, PreparedMicrobatches.of(items, microbatches.seq_length), self.loss_fn,
@@ -192,6 +199,15 @@ def graph_key(items: Sequence[Sequence[PassItem]]) -> Optional[tuple]:
                                                  routes.every_token_routed),
                     batch.old_logprobs is not None))
     return tuple(key)
+
+
+def routes_left_to_the_device(item: PassItem) -> PassItem:
+    """``item`` with its routes not marked as covering every token: the routers then take a live top-k for any
+    token without a route, on the device, whatever this rank's data (a graph shared by several ranks cannot
+    depend on one rank's data)."""
+    if item.routes is None or not item.routes.every_token_routed:
+        return item
+    return dataclasses.replace(item, routes=dataclasses.replace(item.routes, every_token_routed=False))
 
 
 def graph_inputs(item: PassItem) -> dict:

@@ -10,6 +10,8 @@ the others do not), the start-up line, the shapes a graph is specific to, and th
 reading the wrapper's copies of its inputs.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,8 @@ from megatron.core import parallel_state
 
 from megatron_r3.rl.model.passes import run_pass
 from megatron_r3.rl.trainer import update_graphs
-from megatron_r3.rl.trainer.update_graphs import UpdatePassGraphs, graph_key, layout_reason, run_through
+from megatron_r3.rl.trainer.update_graphs import (UpdatePassGraphs, graph_key, layout_reason,
+                                                  routes_left_to_the_device, run_through)
 from tests.support.launcher import run_workers
 from tests.test_launch import EMBEDDED_FLAGS
 
@@ -270,3 +273,39 @@ def test_a_graph_is_specific_to_its_shapes_and_routes():
     assert len({live, replay, gaps, with_old, first}) == 5  # routes, live tails, old log-probs, microbatches
     assert other == replay  # another batch of the same shape replays the same graph
     assert split is None  # separate cu_seqlens tensors: the pass runs eagerly
+
+
+def _shared_keys_worker(argv):
+    """Graph keys of one batch's replayed items marked as covering every token and not, before and after
+    routes_left_to_the_device; and the live items through it."""
+    run = _setup(argv, lambda line: None)
+    try:
+        trainer = run.trainer
+        batch = trainer.pipeline.plan(run.source.batch(1).samples)
+        replay = trainer.pipeline.prepare(batch, rollout_routes=True).all_items()
+        live = trainer.pipeline.prepare(batch).all_items()
+
+        def marked(items, complete):
+            return [[dataclasses.replace(item, routes=dataclasses.replace(item.routes, every_token_routed=complete))
+                     for item in per_chunk] for per_chunk in items]
+
+        def left(items):
+            return [[routes_left_to_the_device(item) for item in per_chunk] for per_chunk in items]
+
+        complete, partial = marked(replay, True), marked(replay, False)
+        return (graph_key(complete) != graph_key(partial), graph_key(left(complete)) == graph_key(left(partial)),
+                all(item.routes.expert_ids is original.routes.expert_ids and not item.routes.every_token_routed
+                    for per_chunk, originals in zip(left(complete), complete)
+                    for item, original in zip(per_chunk, originals)),
+                all(a is b for per_chunk, originals in zip(left(live), live) for a, b in zip(per_chunk, originals)))
+    finally:
+        run.source.close()
+        parallel_state.destroy_model_parallel()
+
+
+def test_a_graph_shared_by_several_ranks_holds_no_key_one_ranks_data_decides():
+    """Whether a rank's routes cover every token is its data's: across ranks the graph leaves it to the device
+    (a live top-k where a token has no route), so every rank captures in the same pass."""
+    ((differ, agree, same_ids, live_unchanged),) = run_workers(
+        _shared_keys_worker, 1, TWO_MICROBATCHES + ["--moe-enable-routing-replay"], backend="gloo")
+    assert differ and agree and same_ids and live_unchanged
