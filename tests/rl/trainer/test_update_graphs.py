@@ -244,6 +244,16 @@ def test_the_forward_step_reads_the_wrappers_copies_of_every_input(mode):
     assert run_workers(_copies_worker, 1, TWO_MICROBATCHES + flags, mode, backend="gloo") == [(True, True, True)]
 
 
+@pytest.mark.parametrize("flags", [["--moe-grouped-gemm-impl", "torch"],
+                                   ["--expert-model-parallel-size", "2", *STATIC_ALLGATHER]], ids=["dp2", "ep2-static"])
+def test_two_ranks_read_the_wrappers_copies_with_ddps_reduction_in_the_schedule(flags):
+    """The layouts whose graph holds other ranks' collectives: through the copies each rank's reduced gradients
+    equal the plain pass's."""
+    argv = EMBEDDED_FLAGS + ["--global-batch-size", "8", "--micro-batch-size", "2", "--moe-enable-routing-replay",
+                             *flags]
+    assert run_workers(_copies_worker, 2, argv, "r3", backend="gloo") == [(True, True, True)] * 2
+
+
 def _keys_worker(argv):
     run = _setup(argv, lambda line: None)
     try:
