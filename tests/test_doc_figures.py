@@ -21,6 +21,12 @@ def sci(value: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def benchmarks_row(rows: list[dict]) -> str:
+    """How docs/benchmarks.md ends a GPU run's row: k3 with and without replay, their ratio, the agreement."""
+    replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
+    return f"| {sci(replay)} | {sci(live)} | **{live / replay:.0f}x** | {mean(rows, 'routing/agreement'):.3f} |"
+
+
 def test_the_cpu_default_runs_figures_are_the_files():
     rows = [json.loads(line) for line in CPU_METRICS.read_text().splitlines()]
     replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
@@ -52,7 +58,7 @@ def test_the_gpu_default_runs_figures_are_the_files():
                f"{mean(rows, 'routing/agreement'):.3f} | 0 / {live_ln2} |")
         prefix, _, suffix = row.partition("{wall}")
         assert any(line.startswith(prefix) and line.endswith(suffix) for line in launcher.splitlines()), row
-        bench_row = f"| {sci(replay)} | {sci(live)} | **{live / replay:.0f}x** | {mean(rows, 'routing/agreement'):.3f} |"
+        bench_row = benchmarks_row(rows)
         assert any(line.startswith(f"| {gpus} GPU") and line.endswith(bench_row) for line in bench), bench_row
         if gpus == 1:
             assert f"{sci(replay)} against {sci(live)} ({live / replay:.0f}x)" in readme
@@ -170,8 +176,7 @@ def test_the_train_rl_warm_start_figures_on_one_gpu_are_the_file(name, collectio
 def test_the_gpu_reruns_figures_are_the_files(gpus, name):
     rows = [json.loads(line) for line in (ROOT / "docs" / name).read_text().splitlines()]
     assert len(rows) == 40 and mean(rows, "mismatch/replay/frac_abs_gt_ln2") == 0
-    replay, live = mean(rows, "mismatch/replay/k3_kl"), mean(rows, "mismatch/live/k3_kl")
-    row = f"| {sci(replay)} | {sci(live)} | **{live / replay:.0f}x** | {mean(rows, 'routing/agreement'):.3f} |"
+    row = benchmarks_row(rows)
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
     assert any(line.startswith(f"| {gpus} GPU") and f"`docs/{name}`" in bench and line.endswith(row)
                for line in bench.splitlines()), row

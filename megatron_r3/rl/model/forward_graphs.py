@@ -60,8 +60,9 @@ def graphs_apply(chunks: Sequence[torch.nn.Module]) -> bool:
 
 def token_counts_stay_on_device(chunk: torch.nn.Module) -> bool:
     """Whether every MoE layer of ``chunk`` keeps its token counts on the device: its dispatcher
-    leaves them there (the alltoall one, dropless, at one expert rank: ``counts_stay_on_device``;
-    the allgather one reads them back) and its experts take them there."""
+    leaves them there (``counts_stay_on_device``: the alltoall one, dropless, at one expert rank, and
+    the static-shape allgather one at any; Megatron's allgather one reads them back) and its experts
+    take them there."""
     return all(getattr(layer.experts, "takes_device_tokens_per_expert", False)
                and getattr(layer.token_dispatcher, "counts_stay_on_device", False)
                for layer in chunk.modules() if isinstance(layer, MoELayer))
