@@ -50,7 +50,8 @@ exchange; :mod:`megatron_r3.dataplane.device.batch_plan`; not part of the pass t
 host's issue time of the pass (until it returns, before the device finishes), the device's
 compute time of one pass (its kernels, NCCL's excluded) and their ratio, the peak memory the
 allocator held during one pass (from its start: the weights, gradients and the pass's activations), and
-the model FLOP rate against the card's bf16 peak. Garbage collection is off inside each timed region.
+the model FLOP rate against the card's bf16 peak. Garbage collection is off inside each timed region,
+and at EP > 1 the ranks meet at a barrier before each timed pass (rank 0's times are reported).
 
 Both shapes of docs/benchmarks.md ("The update pass bound by the GPU"): the default (2 rows of
 8192 tokens per rank) and ``--seq-length 16384 --microbatches 4``.
@@ -332,6 +333,28 @@ class UpdatePass:
         return time.perf_counter() - start
 
 
+def timed_pass(update_pass: UpdatePass, variant: str, sync, align) -> tuple[float, float, float]:
+    """One timed pass of ``variant``: the host's preparation, the pass's host issue and the pass itself
+    (until the device is done), in seconds. Every rank starts the pass together (``align``: a barrier at
+    EP > 1, as Megatron's ``forward-backward`` timer starts by default, ``barrier_with_L1_time``): a rank
+    that starts late holds the others at the pass's first collective, and that wait is the harness's (its
+    collection, its preparation), not the pass's."""
+    sync()
+    gc.collect()
+    gc.disable()  # as Python's timeit does: no collection inside a timed region
+    try:
+        start = time.perf_counter()
+        batch = update_pass.plan(variant)
+        prepare_s = time.perf_counter() - start
+        align()
+        start = time.perf_counter()
+        issue_s = update_pass(variant, batch)
+        sync()
+        return prepare_s, issue_s, time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
 def _to_router_replay(items) -> None:
     """Upstream's API: the microbatch's routes, one [tokens, k] tensor per router, set globally.
 
@@ -438,6 +461,7 @@ def main(argv=None):
     tokens = sum(len(s.token_ids) for s in samples)
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    align = dist.barrier if dist.get_world_size() > 1 else (lambda: None)
 
     def run(variant):
         return update_pass(variant, update_pass.plan(variant))
@@ -490,19 +514,10 @@ def main(argv=None):
                 sync()
             times = []
             for _ in range(args.steps):
-                sync()
-                gc.collect()
-                gc.disable()  # as Python's timeit does: no collection inside a timed region
-                try:
-                    start = time.perf_counter()
-                    batch = update_pass.plan(variant)
-                    prepare[variant].append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    issue[variant].append(update_pass(variant, batch))
-                    sync()
-                    times.append(time.perf_counter() - start)
-                finally:
-                    gc.enable()
+                prepare_s, issue_s, pass_s = timed_pass(update_pass, variant, sync, align)
+                prepare[variant].append(prepare_s)
+                issue[variant].append(issue_s)
+                times.append(pass_s)
             per_round[variant].append(statistics.mean(times))
         if rank == 0:
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(

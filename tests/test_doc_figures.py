@@ -172,7 +172,8 @@ def test_the_train_rl_warm_start_figures_on_one_gpu_are_the_file(name, collectio
 
 
 @pytest.mark.parametrize("gpus, name", [(1, "r3-default-gpu-a2349c7-metrics.jsonl"),
-                                        (2, "r3-default-gpu2-ebc2ccd-metrics.jsonl")])
+                                        (2, "r3-default-gpu2-ebc2ccd-metrics.jsonl"),
+                                        (2, "r3-default-gpu2-25eb7c6-metrics.jsonl")])
 def test_the_gpu_reruns_figures_are_the_files(gpus, name):
     rows = [json.loads(line) for line in (ROOT / "docs" / name).read_text().splitlines()]
     assert len(rows) == 40 and mean(rows, "mismatch/replay/frac_abs_gt_ln2") == 0

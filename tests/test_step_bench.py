@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from megatron.core import parallel_state
 
 from bench import kernel_table
-from bench.step import compute_ms, flat_gradient_buffers
+from bench.step import compute_ms, flat_gradient_buffers, timed_pass
 from tests.support.launcher import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,3 +230,24 @@ def test_a_graphed_run_at_ep2_ends(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [row.split("|")[1].strip() for row in out.read_text().splitlines() if row.startswith("| ")]
     assert rows[1:] == ["live", "upstream", "replay+graph"]
+
+
+def test_a_timed_pass_starts_after_every_rank_has_planned_and_leaves_the_wait_out():
+    events = []
+
+    class Pass:
+        def plan(self, variant):
+            events.append(("plan", variant))
+            return "batch"
+
+        def __call__(self, variant, batch):
+            events.append(("pass", batch))
+            return 0.001
+
+    def late_peer():  # the barrier returns once the slowest rank has planned: here 0.3 s later
+        events.append(("align",))
+        time.sleep(0.3)
+
+    prepare_s, issue_s, pass_s = timed_pass(Pass(), "replay", lambda: events.append(("sync",)), late_peer)
+    assert events == [("sync",), ("plan", "replay"), ("align",), ("pass", "batch"), ("sync",)]
+    assert issue_s == 0.001 and prepare_s < 0.3 and pass_s < 0.3  # the peer's lateness is in neither
