@@ -25,6 +25,10 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   the report counts the iterations whose collections ran the same steps in both (the same generation lengths;
   the engine admits requests as they arrive, so the two runs' draws can still differ). The two main step rows
   give the ratio's 95% interval: whether the iterations resolve a difference of a few percent.
+  ``--concurrent`` (``--nproc 1``) runs each round's two sides at once, each on its own GPU of the node (the
+  first two visible, swapped every round) and its own rollout-server port (``MEGATRON_RL_INFERENCE_SERVER_PORT``,
+  the Megatron-LM series' 0004): the host's drift falls on both sides alike, and an hour gives each side twice
+  the iterations.
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -41,11 +45,13 @@ pair per round.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -265,10 +271,19 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     return rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
 
 
-def first_iteration_time(log: str) -> str:
-    """The timestamp of a log's first iteration line (Megatron's ``[YYYY-MM-DD hh:mm:ss.ffffff]``), or ''."""
-    match = re.search(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+\d+/", log)
-    return match.group(1) if match else ""
+def iteration_times(log: str) -> list[str]:
+    """The timestamps of a log's iteration lines (Megatron's ``[YYYY-MM-DD hh:mm:ss.ffffff]``), in order."""
+    return re.findall(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+\d+/", log)
+
+
+def order_of(replay_log: str, live_log: str) -> str:
+    """Which of a round's two runs ran first, or that they ran together (their iterations overlap in time)."""
+    replay, live = iteration_times(replay_log), iteration_times(live_log)
+    if not replay or not live:
+        return ""
+    if replay[0] <= live[-1] and live[0] <= replay[-1]:
+        return ", ran together"
+    return f", {'replay' if replay[0] < live[0] else 'live'} ran first"
 
 
 def round_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
@@ -287,20 +302,28 @@ def round_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
         replay_ms, live_ms = (statistics.fmean(t) - (statistics.fmean(r) if less_rollouts else 0.0)
                               for t, r in zip(times, rollouts))
         what = f"step time less `{ROLLOUTS}`" if less_rollouts else "mean step time"
-        starts = [first_iteration_time(log) for log in pair]
-        first = f", {'replay' if starts[0] < starts[1] else 'live'} ran first" if all(starts) else ""
-        rows.append(f"| round {index}{first}: {what}, ms | {replay_ms:.1f} | {live_ms:.1f} | "
+        rows.append(f"| round {index}{order_of(*pair)}: {what}, ms | {replay_ms:.1f} | {live_ms:.1f} | "
                     f"{replay_ms / live_ms:.3f} | |")
     return rows
 
 
-def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
-        tag: str, init: Path | None = None, extra_args: str = "") -> tuple[str, str, float]:
-    """One run of the example (``extra_args`` after the caller's EXTRA_ARGS); its command as the report prints it,
-    its log and its wall time."""
+@dataclasses.dataclass
+class StartedRun:
+    """A run of the example under way: its command as the report prints it, its process, its output file."""
+    command: str
+    proc: subprocess.Popen
+    output: Path
+    start: float
+
+
+def start_run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool, tag: str,
+              init: Path | None = None, extra_args: str = "", env_extra: dict[str, str] | None = None) -> StartedRun:
+    """Starts one run of the example (``extra_args`` after the caller's EXTRA_ARGS; ``env_extra``: more of its
+    environment, e.g. its GPU and its rollout server's port, named in its command)."""
     settings = dict(NPROC=nproc, ITERS=iters, SEQ_LEN=seq_len, REPLAY=int(replay), METRICS=int(metrics))
     if init is not None:
         settings["INIT"] = init
+    settings.update(env_extra or {})
     # The example resumes from its folder's checkpoints: a bench run starts from nothing of an earlier one.
     shutil.rmtree(out / tag, ignore_errors=True)
     env = dict(os.environ, **{k: str(v) for k, v in settings.items()})
@@ -309,14 +332,56 @@ def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: 
         settings["EXTRA_ARGS"] = f'"{env["EXTRA_ARGS"]}"'
     command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(["bash", str(SCRIPT), str(out / tag)], env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        sys.exit(f"bench.megatron_rl: {command} failed (exit {proc.returncode}):\n{log[-6000:]}")
+    out.mkdir(parents=True, exist_ok=True)
+    output = out / f"{tag}.out"  # a file, not a pipe: two runs at once cannot block on each other's output
+    with open(output, "w") as sink:
+        proc = subprocess.Popen(["bash", str(SCRIPT), str(out / tag)], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, text=True)
+    return StartedRun(command, proc, output, time.perf_counter())
+
+
+def finish_run(started: StartedRun) -> tuple[str, str, float]:
+    """Waits for a started run: its command, its log and its wall time; exits where it failed."""
+    returncode = started.proc.wait()
+    wall = time.perf_counter() - started.start
+    log = started.output.read_text()
+    if returncode != 0:
+        sys.exit(f"bench.megatron_rl: {started.command} failed (exit {returncode}):\n{log[-6000:]}")
     print(f"  {wall:.0f} s", flush=True)
-    return command, log, wall
+    return started.command, log, wall
+
+
+def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
+        tag: str, init: Path | None = None, extra_args: str = "") -> tuple[str, str, float]:
+    """One run of the example, to its end: its command as the report prints it, its log and its wall time."""
+    return finish_run(start_run(out, nproc, iters, seq_len, replay, metrics, tag, init, extra_args))
+
+
+def run_together(starts: list) -> list[tuple[str, str, float]]:
+    """Starts every run (``start_run``'s arguments each), then waits for all; where one fails, the others are
+    stopped before the bench exits."""
+    started = []
+    try:
+        for args, kwargs in starts:
+            started.append(start_run(*args, **kwargs))
+        return [finish_run(run) for run in started]
+    finally:
+        for run in started:
+            if run.proc.poll() is None:
+                run.proc.terminate()
+                run.proc.wait()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on this node now (each held open until all are chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 TABLE_HEAD = ["| metric | with replay | without | ratio | target |", "| --- | ---: | ---: | ---: | --- |"]
@@ -425,6 +490,11 @@ def main(argv=None):
     parser.add_argument("--live-first", action="store_true",
                         help="the first round runs live, then replay (later rounds alternate): a round to pool, through "
                              "--from-step-logs, with one run replay-first in another call")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="each round's replay run and live run at once, one GPU each (the first two visible; "
+                             "which side has which swaps every round), each serving its rollouts on a port of its "
+                             "own: both sides under the same host conditions, twice the iterations an hour "
+                             "(--nproc 1)")
     parser.add_argument("--frozen-policy", action="store_true",
                         help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
                              "replay and live sample from the same policy throughout")
@@ -438,7 +508,8 @@ def main(argv=None):
                         help="run nothing: the step-time report from the logs of earlier runs, a replay log and a "
                              "live log per round")
     args = parser.parse_args(argv)
-    for flag, given in (("--frozen-policy", args.frozen_policy), ("--live-first", args.live_first)):
+    for flag, given in (("--frozen-policy", args.frozen_policy), ("--live-first", args.live_first),
+                        ("--concurrent", args.concurrent)):
         if given and (args.from_step_logs is not None or args.from_log is not None):
             parser.error(f"{flag} sets how the step-time runs go: --from-log and --from-step-logs run nothing")
     if args.from_step_logs is not None:
@@ -456,12 +527,19 @@ def main(argv=None):
     args.rounds = 2 if args.rounds is None else args.rounds
     if args.frozen_policy and not args.rounds:
         parser.error("--frozen-policy sets how the step-time runs train: --rounds 0 runs none")
+    if args.concurrent and (args.nproc != 1 or not args.rounds or args.live_first):
+        parser.error("--concurrent runs each round's two sides at once on one GPU each: it takes --nproc 1, "
+                     "--rounds 1 or more, and no --live-first (neither side runs first)")
     if "MEGATRON" not in os.environ:
         sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
     import torch
 
-    if torch.cuda.device_count() < args.nproc:
-        sys.exit(f"bench.megatron_rl: --nproc {args.nproc} needs as many GPUs; {torch.cuda.device_count()} visible")
+    gpus = (os.environ["CUDA_VISIBLE_DEVICES"].split(",") if os.environ.get("CUDA_VISIBLE_DEVICES")
+            else [str(index) for index in range(torch.cuda.device_count())])
+    needed = 2 if args.concurrent else args.nproc
+    if torch.cuda.device_count() < needed:
+        sys.exit(f"bench.megatron_rl: {'--concurrent' if args.concurrent else f'--nproc {args.nproc}'} needs "
+                 f"{needed} GPUs; {torch.cuda.device_count()} visible")
     check_outputs(args.out, args.k3, args.overwrite)  # before runs of many minutes, not after
     device = torch.cuda.get_device_name()
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
@@ -471,6 +549,8 @@ def main(argv=None):
         flags += " --frozen-policy"
     if args.live_first:
         flags += " --live-first"
+    if args.concurrent:
+        flags += " --concurrent"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
@@ -483,12 +563,20 @@ def main(argv=None):
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
         # replay first in odd rounds, live first in even ones: over an even number of rounds the order's effect
-        # (a warmer host, a fuller page cache) falls on both sides alike
-        for replay in (True, False) if (round_index + args.live_first) % 2 == 0 else (False, True):
-            command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay, metrics=False,
-                                     tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
-                                     extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")
-            report.append(f"    {command}    # {wall:.0f} s")
+        # (a warmer host, a fuller page cache) falls on both sides alike; together, each side has each GPU
+        # in turn
+        sides = (True, False) if (round_index + args.live_first) % 2 == 0 else (False, True)
+        starts = [((args.runs, args.nproc, args.iters, args.seq_length, replay, False),
+                   dict(tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
+                        extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")) for replay in sides]
+        if args.concurrent:
+            for (_, kwargs), gpu, port in zip(starts, gpus[:2], free_ports(2)):
+                kwargs["env_extra"] = {"CUDA_VISIBLE_DEVICES": gpu, "MEGATRON_RL_INFERENCE_SERVER_PORT": str(port)}
+            results = run_together(starts)
+        else:
+            results = [run(*args_, **kwargs) for args_, kwargs in starts]
+        for replay, (command, log, wall) in zip(sides, results):
+            report.append(f"    {command}    # {wall:.0f} s{', together' if args.concurrent else ''}")
             logs[replay].append(log)
     if args.rounds:
         table += step_rows(logs, args.skip) + round_rows(logs, args.skip)

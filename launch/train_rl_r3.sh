@@ -12,7 +12,8 @@
 # tokenizer, and a random-init model generates to the end of the context), METRICS (1:
 # --rl-routing-replay-metrics, default 1 with REPLAY=1), INIT (a checkpoint folder to start from,
 # Megatron's --pretrained-checkpoint: launch/countdown_sft_r3.sh trains one; default: random init),
-# EXTRA_ARGS (more train_rl.py flags), PYTHON (Python >= 3.12, which Megatron-LM main needs;
+# EXTRA_ARGS (more train_rl.py flags), MEGATRON_RL_INFERENCE_SERVER_PORT (the port the run serves its rollouts
+# on, default 8294: another run on the node needs another), PYTHON (Python >= 3.12, which Megatron-LM main needs;
 # default: this repository's .venv/bin/python, else python3; train_rl.py's dependencies: make
 # megatron-rl-deps). The model (launch/train_rl_common.sh): qwen3_30b_a3b_moe.sh's architecture
 # (RMSNorm, SwiGLU, QK-norm, GQA, RoPE, aux-loss router, alltoall dispatcher, every layer MoE), shrunk
@@ -21,11 +22,18 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/train_rl_common.sh"
-# Megatron-LM's RL loop serves its rollouts on port 8294 (fixed in rl_utils.py) with SO_REUSEPORT: a second run
-# on the node binds it too and the kernel shares the requests between the two runs' engines, so a run gets
-# completions its own engine never recorded (KeyError in compute_group_stats; seen on 2 x H200).
-(exec 3<>/dev/tcp/127.0.0.1/8294) 2>/dev/null \
-  && refuse "port 8294 is in use: another train_rl.py (or another server) runs on this node; one run at a time"
+# Megatron-LM's RL loop serves its rollouts on MEGATRON_RL_INFERENCE_SERVER_PORT (default 8294; the series'
+# 0004) with SO_REUSEPORT: a second run on the same port binds it too and the kernel shares the requests between
+# the two runs' engines, so a run gets completions its own engine never recorded (KeyError in
+# compute_group_stats; seen on 2 x H200).
+PORT=${MEGATRON_RL_INFERENCE_SERVER_PORT:-8294}
+if [ -n "${MEGATRON_RL_INFERENCE_SERVER_PORT:-}" ]; then
+  [[ "$PORT" =~ ^[0-9]+$ ]] || refuse "MEGATRON_RL_INFERENCE_SERVER_PORT=$PORT is not a port number"
+  grep -q MEGATRON_RL_INFERENCE_SERVER_PORT "$MEGATRON/megatron/rl/rl_utils.py" 2>/dev/null \
+    || refuse "$MEGATRON's RL loop serves on port 8294 whatever MEGATRON_RL_INFERENCE_SERVER_PORT says: it lacks the Megatron-LM series' 0004 (make patch MEGATRON=...)"
+fi
+(exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null \
+  && refuse "port $PORT is in use: another train_rl.py (or another server) runs on this node; a second run needs its own MEGATRON_RL_INFERENCE_SERVER_PORT"
 if [ -n "${INIT:-}" ]; then
   [ -f "$INIT/latest_checkpointed_iteration.txt" ] \
     || refuse "INIT=$INIT holds no Megatron checkpoint (latest_checkpointed_iteration.txt): launch/countdown_sft_r3.sh makes one"

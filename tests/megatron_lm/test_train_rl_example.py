@@ -201,7 +201,19 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     new_python.chmod(0o755)
     with socket.create_server(("127.0.0.1", 8294)):  # a run already serving rollouts on this node
         proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python)}, tmp_path)
-    assert proc.returncode == 2 and "port 8294 is in use: another train_rl.py" in proc.stderr
+        assert proc.returncode == 2 and "port 8294 is in use: another train_rl.py" in proc.stderr
+        with socket.create_server(("127.0.0.1", 0)) as other:  # a second run on a port of its own
+            port = str(other.getsockname()[1])
+            own_port = {"MEGATRON": str(tree), "PYTHON": str(new_python), "MEGATRON_RL_INFERENCE_SERVER_PORT": port}
+            proc = launch(own_port, tmp_path)
+            assert proc.returncode == 2 and "lacks the Megatron-LM series' 0004" in proc.stderr  # it would serve on 8294
+            (tree / "megatron" / "rl" / "rl_utils.py").write_text("MEGATRON_RL_INFERENCE_SERVER_PORT\n")
+            proc = launch(own_port, tmp_path)  # that port is taken too
+            assert proc.returncode == 2 and f"port {port} is in use: another train_rl.py" in proc.stderr
+        proc = launch(dict(own_port, INIT=str(tmp_path)), tmp_path)  # past the port: on to the next check
+        assert proc.returncode == 2 and f"INIT={tmp_path} holds no Megatron checkpoint" in proc.stderr
+        proc = launch(dict(own_port, MEGATRON_RL_INFERENCE_SERVER_PORT="eighty"), tmp_path)
+        assert proc.returncode == 2 and "MEGATRON_RL_INFERENCE_SERVER_PORT=eighty is not a port number" in proc.stderr
     proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "INIT": str(tmp_path)}, tmp_path)
     assert proc.returncode == 2 and f"INIT={tmp_path} holds no Megatron checkpoint" in proc.stderr
     for extra in ("--attention-backend flash", "--seed 3 --attention-backend=flash --bf16"):
@@ -596,3 +608,80 @@ def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_i
     log.write_text("\n".join(line for line in lines if "rl/compute" not in line))
     bench_main(["--from-log", str(log), "--skip", "1", "--out", str(out), "--overwrite"])
     assert "forward-only pass" not in out.read_text()
+
+
+def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpu_and_port(tmp_path, monkeypatch):
+    import torch
+
+    import bench.megatron_rl as bench
+
+    rounds = []
+
+    def fake_run_together(starts):
+        rounds.append([(args[4], kwargs["tag"], kwargs["env_extra"]) for args, kwargs in starts])
+        hour = 10 + len(rounds)
+        return [(f"REPLAY={int(args[4])}", timed_log(hour, [9000.0, 5000.0 + 1000 * args[4]], [4000.0, 1000.0]), 1.0)
+                for args, _ in starts]  # both sides' iterations in the same hour: they overlap
+
+    monkeypatch.setattr(bench, "run_together", fake_run_together)
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("a side ran alone"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setenv("MEGATRON", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    out = tmp_path / "together.md"
+    bench.main(["--no-k3", "--rounds", "2", "--concurrent", "--skip", "1", "--runs", str(tmp_path / "runs"),
+                "--out", str(out)])
+    (replay0, live0), (live1, replay1) = rounds
+    assert [replay0[:2], live0[:2], live1[:2], replay1[:2]] == [(True, "time-replay-0"), (False, "time-live-0"),
+                                                                (False, "time-live-1"), (True, "time-replay-1")]
+    # each side has each GPU in turn; the two runs of a round serve on two ports
+    assert [replay0[2]["CUDA_VISIBLE_DEVICES"], replay1[2]["CUDA_VISIBLE_DEVICES"]] == ["3", "5"]
+    assert [live0[2]["CUDA_VISIBLE_DEVICES"], live1[2]["CUDA_VISIBLE_DEVICES"]] == ["5", "3"]
+    for first, second in rounds:
+        assert first[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"] != second[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"]
+    report = out.read_text()
+    assert "--rounds 2 --concurrent" in report
+    assert "| round 1, ran together: step time less `rl/rollout-collection`, ms | 5000.0 | 4000.0 | 1.250 | |" in report
+    for argv in (["--nproc", "2"], ["--live-first"], ["--rounds", "0"]):  # refused before any run
+        with pytest.raises(SystemExit):
+            bench.main(["--no-k3", "--concurrent", *argv, "--out", str(tmp_path / "refused.md")])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="--concurrent needs 2 GPUs; 1 visible"):
+        bench.main(["--no-k3", "--concurrent", "--out", str(tmp_path / "refused.md")])
+
+
+def test_runs_together_each_get_their_environment_and_a_failure_stops_the_other(tmp_path, monkeypatch):
+    import bench.megatron_rl as bench
+
+    # as the example: with FAIL=1 the replay side fails once the live side is under way, which runs on until stopped
+    script = tmp_path / "example.sh"
+    script.write_text(textwrap.dedent('''\
+        #!/usr/bin/env bash
+        echo "gpu $CUDA_VISIBLE_DEVICES port $MEGATRON_RL_INFERENCE_SERVER_PORT"
+        [ -z "$FAIL" ] && exit 0
+        if [ "$REPLAY" = 1 ]; then
+          while [ ! -e "$1.ready" ]; do sleep 0.01; done
+          exit 3
+        fi
+        trap 'echo stopped > "$1.stopped"; kill %1; exit 143' TERM
+        sleep 60 &
+        touch "${1%-0}-1.ready"
+        wait
+        '''))
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SCRIPT", script)
+    runs = tmp_path / "runs"
+
+    def starts():
+        return [((runs, 1, 3, 384, replay, False), dict(tag=f"t-{int(replay)}", env_extra={
+            "CUDA_VISIBLE_DEVICES": str(int(replay)), "MEGATRON_RL_INFERENCE_SERVER_PORT": str(9000 + replay)}))
+            for replay in (True, False)]
+
+    (replay_cmd, replay_log, _), (live_cmd, live_log, _) = bench.run_together(starts())
+    assert replay_log.strip() == "gpu 1 port 9001" and live_log.strip() == "gpu 0 port 9000"
+    assert "CUDA_VISIBLE_DEVICES=1 MEGATRON_RL_INFERENCE_SERVER_PORT=9001" in replay_cmd
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(SystemExit, match="failed \\(exit 3\\)"):
+        bench.run_together(starts())
+    assert (runs / "t-0.stopped").read_text() == "stopped\n"  # the live side was stopped and waited for
