@@ -362,8 +362,8 @@ def run_together(starts: list) -> list[tuple[str, str, float]]:
     stopped before the bench exits."""
     started = []
     try:
-        for args, kwargs in starts:
-            started.append(start_run(*args, **kwargs))
+        for positional, kwargs in starts:
+            started.append(start_run(*positional, **kwargs))
         return [finish_run(run) for run in started]
     finally:
         for run in started:
@@ -574,7 +574,7 @@ def main(argv=None):
                 kwargs["env_extra"] = {"CUDA_VISIBLE_DEVICES": gpu, "MEGATRON_RL_INFERENCE_SERVER_PORT": str(port)}
             results = run_together(starts)
         else:
-            results = [run(*args_, **kwargs) for args_, kwargs in starts]
+            results = [run(*positional, **kwargs) for positional, kwargs in starts]
         for replay, (command, log, wall) in zip(sides, results):
             report.append(f"    {command}    # {wall:.0f} s{', together' if args.concurrent else ''}")
             logs[replay].append(log)
