@@ -332,8 +332,9 @@ def start_run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, met
         settings["EXTRA_ARGS"] = f'"{env["EXTRA_ARGS"]}"'
     command = " ".join(f"{k}={v}" for k, v in settings.items()) + f" {SCRIPT.relative_to(ROOT)} {out / tag}"
     print(f"$ {command}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    output = out / f"{tag}.out"  # a file, not a pipe: two runs at once cannot block on each other's output
+    (out / tag).mkdir(parents=True, exist_ok=True)
+    # a file in the run's folder, not a pipe: two runs at once cannot block on each other's output
+    output = out / tag / "bench-output.log"
     with open(output, "w") as sink:
         proc = subprocess.Popen(["bash", str(SCRIPT), str(out / tag)], env=env, stdout=sink,
                                 stderr=subprocess.STDOUT, text=True)
