@@ -181,3 +181,23 @@ def test_the_gpu_reruns_figures_are_the_files(gpus, name):
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
     assert any(line.startswith(f"| {gpus} GPU") and f"`docs/{name}`" in bench and line.endswith(row)
                for line in bench.splitlines()), row
+
+
+def test_the_update_pass_table_is_the_runs_records():
+    """docs/benchmarks.md's update-pass table of main c615257 is bench.step_table's table of the four runs' records
+    kept beside it, row by row, and the EP=2 against one-GPU ratio it states is theirs."""
+    from bench.step_table import table
+
+    records = [json.loads(path.read_text()) for path in sorted((ROOT / "docs" / "step-c615257").glob("t-*.json"))]
+    assert len(records) == 4
+    rows = table(records).split("\n\n")[0].splitlines()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = bench[bench.index("`docs/step-c615257/`"):]
+    lines = section.splitlines()
+    start = lines.index(rows[0])
+    assert lines[start:start + len(rows)] == rows
+    one, two = (next(r for r in records if r["ep"] == ep and r["seq_length"] == 8192) for ep in (1, 2))
+    flat = section.replace("\n  ", " ")  # a bullet's lines joined
+    for variant in ("replay+graph", "live+graph"):
+        high, low = two["variants"][variant]["tokens_per_s"], one["variants"][variant]["tokens_per_s"]
+        assert f"{high / low:.3f}x" in flat and f"{high:.0f} against {low:.0f}" in flat
