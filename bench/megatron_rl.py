@@ -579,11 +579,12 @@ def main(argv=None):
         for replay, (command, log, wall) in zip(sides, results):
             report.append(f"    {command}    # {wall:.0f} s{', together' if args.concurrent else ''}")
             logs[replay].append(log)
-    if args.rounds:
-        table += step_rows(logs, args.skip) + round_rows(logs, args.skip)
-        notes += same_rollout_notes(logs, args.skip)
-    report += ["", *table, "", *notes, ""]
-    write_report(args.out, report, args.overwrite, records)
+        # the report of the rounds so far after each one: a call stopped later keeps them
+        write_report(args.out, report + ["", *table, *step_rows(logs, args.skip), *round_rows(logs, args.skip), "",
+                                         *notes, *same_rollout_notes(logs, args.skip), ""],
+                     args.overwrite or round_index > 0, records)
+    if not args.rounds:
+        write_report(args.out, report + ["", *table, "", *notes, ""], args.overwrite, records)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ Commands:
                    DIR: the files of Megatron-LM main (no .git, no functional tests, docs or
                    images) with the core series' main form and this series applied: what
                    launch/train_rl_r3.sh runs (--pristine: the same files without either series).
-  compare-rl-tests --python PY PRISTINE PATCHED
-                   run tests/unit_tests/rl in both trees (pytest with PY, from each tree's root)
-                   and compare them test by test; fails where a test that passes on PRISTINE
-                   does not on PATCHED, or is missing there.
+  compare-rl-tests --python PY [--nproc N] PRISTINE PATCHED
+                   run tests/unit_tests/rl in both trees (pytest with PY, from each tree's root;
+                   --nproc N: under torch.distributed.run with N ranks, as Megatron-LM's CI runs
+                   its unit tests, so the multi-rank cases run too) and compare them test by
+                   test; fails where a test that passes on PRISTINE does not on PATCHED, or is
+                   missing there.
   workspace GIT DIR
                    DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
                    this series as commits: edit, commit, then 'export DIR'.
@@ -231,14 +233,8 @@ def make_checkout(megatron_git, out, pristine=False):
     print(f"Megatron-LM {commit[:10]} {what} at {out} ({size / 2**20:.0f} MiB)")
 
 
-def rl_test_outcomes(tree, python, report):
-    """Each test of tests/unit_tests/rl in ``tree`` -> passed, failed, error or skipped (pytest's JUnit
-    report ``report``; run from the tree's root, so its megatron package is the one imported, and rooted
-    there, so a test has the same name in either tree whatever configuration lies above them)."""
-    subprocess.run([python, "-m", "pytest", RL_TESTS, "-q", "-p", "no:cacheprovider", f"--rootdir={tree}",
-                    f"--junitxml={report}"], cwd=tree)
-    if not Path(report).is_file():
-        raise SeriesError(f"pytest wrote no report in {tree} (does {python} have pytest?)")
+def junit_outcomes(report):
+    """Each test of a JUnit report -> passed, failed, error or skipped."""
     outcomes = {}
     for case in ET.parse(report).iter("testcase"):
         tags = {child.tag for child in case}  # a failed test can also error in its teardown: error first
@@ -248,11 +244,39 @@ def rl_test_outcomes(tree, python, report):
     return outcomes
 
 
-def compare_rl_tests(python, pristine, patched):
-    """Run the RL unit tests in both trees; print the counts and every test whose outcome differs;
-    refuse a test that passes pristine and not patched."""
+# A test run on several ranks has the outcome of its worst rank; skipped only where every rank skipped it.
+SEVERITY = ("error", "failed", "passed", "skipped")
+
+
+def rl_test_outcomes(tree, python, report, nproc=1):
+    """Each test of tests/unit_tests/rl in ``tree`` -> passed, failed, error or skipped (pytest's JUnit
+    report ``report``, one per rank with ``nproc`` > 1; run from the tree's root, so its megatron package is the
+    one imported, and rooted there, so a test has the same name in either tree whatever configuration lies above
+    them)."""
+    report = Path(report)
+    launch = [python, "-m", "pytest"] if nproc == 1 else [
+        python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pytest"]
+    # pytest expands $RANK (set by torch.distributed.run) in the report's path: a report per rank
+    path = report if nproc == 1 else report.with_name(report.stem + "-$RANK" + report.suffix)
+    subprocess.run([*launch, RL_TESTS, "-q", "-p", "no:cacheprovider", f"--rootdir={tree}",
+                    f"--junitxml={path}"], cwd=tree)
+    reports = [report] if nproc == 1 else [report.with_name(f"{report.stem}-{rank}{report.suffix}")
+                                           for rank in range(nproc)]
+    missing = [str(r) for r in reports if not r.is_file()]
+    if missing:
+        raise SeriesError(f"pytest wrote no report {missing[0]} in {tree} (does {python} have pytest?)")
+    ranks = [junit_outcomes(r) for r in reports]
+    return {test: min((outcomes.get(test, "error") for outcomes in ranks), key=SEVERITY.index)
+            for test in set().union(*ranks)}
+
+
+def compare_rl_tests(python, pristine, patched, nproc=1):
+    """Run the RL unit tests in both trees (on ``nproc`` ranks); print the counts and every test whose outcome
+    differs; refuse a test that passes pristine and not patched."""
+    if nproc < 1:
+        raise SeriesError(f"--nproc {nproc}: give 1 or more ranks")
     with tempfile.TemporaryDirectory() as scratch:
-        sides = {name: rl_test_outcomes(Path(tree).resolve(), python, Path(scratch) / f"{name}.xml")
+        sides = {name: rl_test_outcomes(Path(tree).resolve(), python, Path(scratch) / f"{name}.xml", nproc)
                  for name, tree in (("pristine", pristine), ("patched", patched))}
     for name, outcomes in sides.items():
         counts = Counter(outcomes.values())
@@ -320,6 +344,8 @@ def main(argv=None):
     checkout.add_argument("out")
     compare = sub.add_parser("compare-rl-tests")
     compare.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest in both trees")
+    compare.add_argument("--nproc", type=int, default=1,
+                         help="ranks to run the tests on (torch.distributed.run), one GPU each on a GPU node")
     compare.add_argument("pristine")
     compare.add_argument("patched")
     sub.add_parser("export").add_argument("repo")
@@ -335,7 +361,7 @@ def main(argv=None):
         elif args.command == "checkout":
             make_checkout(args.megatron, args.out, args.pristine)
         elif args.command == "compare-rl-tests":
-            compare_rl_tests(args.python, args.pristine, args.patched)
+            compare_rl_tests(args.python, args.pristine, args.patched, args.nproc)
         elif args.command == "workspace":
             make_workspace(args.megatron_git, args.out)
         elif args.command == "export":

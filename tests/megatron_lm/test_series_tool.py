@@ -90,6 +90,22 @@ def test_compare_rl_tests_refuses_a_test_that_passes_only_pristine(change, tmp_p
         tool.compare_rl_tests(sys.executable, pristine, patched)
 
 
+def test_compare_rl_tests_on_two_ranks_takes_each_tests_worst_rank(tmp_path, capsys):
+    """Under torch.distributed.run every rank runs every test: one that fails on rank 1 only has failed."""
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    on_two = "import os; assert os.environ['WORLD_SIZE'] == '2'"
+    pristine = _rl_tree(tmp_path / "pristine", {**COMMON, "test_two_ranks": on_two})
+    not_on_rank_1 = "import os; assert os.environ['RANK'] != '1'"
+    patched = _rl_tree(tmp_path / "patched", {**COMMON, "test_two_ranks": not_on_rank_1})
+    with pytest.raises(tool.SeriesError, match=r"1 tests pass pristine and not patched, first \[.*test_two_ranks"):
+        tool.compare_rl_tests(sys.executable, pristine, patched, nproc=2)
+    out = capsys.readouterr().out
+    assert "pristine: 2 passed, 1 failed, 0 error, 1 skipped" in out
+    assert "patched: 1 passed, 2 failed, 0 error, 1 skipped" in out
+    with pytest.raises(tool.SeriesError, match="--nproc 0"):
+        tool.compare_rl_tests(sys.executable, pristine, patched, nproc=0)
+
+
 def test_compare_rl_tests_refuses_a_test_the_patched_tree_loses(tmp_path):
     pristine = _rl_tree(tmp_path / "pristine", COMMON)
     patched = _rl_tree(tmp_path / "patched", {k: v for k, v in COMMON.items() if k != "test_passes"})

@@ -574,6 +574,32 @@ def test_the_bench_alternates_which_side_runs_first_and_reports_each_round(tmp_p
         bench.main(["--from-step-logs", *map(str, logs[:2]), "--live-first", "--out", str(tmp_path / "x.md")])
 
 
+def test_the_bench_writes_the_report_of_each_round_as_it_ends(tmp_path, monkeypatch):
+    """A call stopped during round 2 (its device time spent, say) leaves round 1's report."""
+    import torch
+
+    import bench.megatron_rl as bench
+
+    runs = iter([[9000.0, 5000.0, 6000.0], [9000.0, 6000.0, 8000.0]])
+
+    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args=""):
+        steps = next(runs, None)
+        if steps is None:
+            raise KeyboardInterrupt
+        return f"REPLAY={int(replay)} {tag}", timed_log(11, steps, [4000.0, 2000.0, 2000.0]), 1.0
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setenv("MEGATRON", str(tmp_path))
+    out = tmp_path / "time.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--no-k3", "--rounds", "2", "--skip", "1", "--runs", str(tmp_path / "runs"), "--out", str(out)])
+    report = out.read_text()
+    assert "| step time less `rl/rollout-collection`, ms | 3500.0 | 5000.0 | 0.700 (" in report
+    assert "REPLAY=0 time-live-0" in report and "time-live-1" not in report
+
+
 def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_iteration(rr, tmp_path):
     from bench.megatron_rl import main as bench_main
 
