@@ -254,14 +254,18 @@ def rl_test_outcomes(tree, python, report, nproc=1):
     one imported, and rooted there, so a test has the same name in either tree whatever configuration lies above
     them)."""
     report = Path(report)
-    launch = [python, "-m", "pytest"] if nproc == 1 else [
-        python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pytest"]
-    # pytest expands $RANK (set by torch.distributed.run) in the report's path: a report per rank
-    path = report if nproc == 1 else report.with_name(report.stem + "-$RANK" + report.suffix)
+    if nproc == 1:
+        launch, path, reports = [python, "-m", "pytest"], report, [report]
+    else:
+        launch = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pytest"]
+
+        def of_rank(rank):
+            return report.with_name(f"{report.stem}-{rank}{report.suffix}")
+
+        # pytest expands $RANK (set by torch.distributed.run) in the report's path: a report per rank
+        path, reports = of_rank("$RANK"), [of_rank(rank) for rank in range(nproc)]
     subprocess.run([*launch, RL_TESTS, "-q", "-p", "no:cacheprovider", f"--rootdir={tree}",
                     f"--junitxml={path}"], cwd=tree)
-    reports = [report] if nproc == 1 else [report.with_name(f"{report.stem}-{rank}{report.suffix}")
-                                           for rank in range(nproc)]
     missing = [str(r) for r in reports if not r.is_file()]
     if missing:
         raise SeriesError(f"pytest wrote no report {missing[0]} in {tree} (does {python} have pytest?)")
