@@ -323,6 +323,33 @@ def test_a_rank_killed_mid_test_reads_as_crashed(tmp_path):
     assert outcome == {"a": "passed", "b": "crashed", "c": "crashed", "d": "not run"}
 
 
+def test_a_rank_torchrun_stopped_did_not_crash_its_test(tmp_path):
+    """Rank 1 dies in b; torchrun stops rank 0, which had gone on to c: b crashed, c runs again."""
+    results = tmp_path / "side" / "results"
+    results.mkdir(parents=True)
+    nid = "tests/unit_tests/moe/test_x.py::test_"
+
+    def ran(*names):
+        return [r for n in names for r in ({"event": "start", "nodeid": nid + n},
+                                          {"event": "end", "nodeid": nid + n, "outcome": "passed"})]
+
+    first = {0: [{"event": "session", "attempt": 0}, *ran("a", "b"), {"event": "start", "nodeid": nid + "c"},
+                 {"event": "terminated"}],
+             1: [{"event": "session", "attempt": 0}, *ran("a"), {"event": "start", "nodeid": nid + "b"}]}
+    for rank, lines in first.items():
+        (results / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert ut.finished_ids(results, nproc=2) == ({nid + "a"}, {nid + "b"})
+    assert not ut._session_ended(results, 0, nproc=2)
+    for rank in first:  # the next attempt, past a and b
+        with open(results / f"rank{rank}.jsonl", "a") as handle:
+            for line in [{"event": "session", "attempt": 1}, *ran("c"), {"event": "session_end"}]:
+                handle.write(json.dumps(line) + "\n")
+    assert ut.finished_ids(results, nproc=2) == ({nid + "a", nid + "c"}, {nid + "b"})
+    assert ut._session_ended(results, 1, nproc=2)
+    outcome = {v["id"][-1]: v["outcome"] for v in ut.load_side(tmp_path / "side").values()}
+    assert outcome == {"a": "passed", "b": "crashed", "c": "passed"}
+
+
 def test_a_node_id_relative_to_a_folder_above_the_side_names_the_same_test():
     """pytest may make node ids relative to a rootdir above the bundle (the checkout's own
     pytest.ini): the side's folder in them must not make every test differ."""

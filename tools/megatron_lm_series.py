@@ -22,12 +22,14 @@ Commands:
                    DIR: the files of Megatron-LM main (no .git, no functional tests, docs or
                    images) with the core series' main form and this series applied: what
                    launch/train_rl_r3.sh runs (--pristine: the same files without either series).
-  compare-rl-tests --python PY [--nproc N] PRISTINE PATCHED
+  compare-rl-tests --python PY [--nproc N] [--out DIR] PRISTINE PATCHED
                    run tests/unit_tests/rl in both trees (pytest with PY, from each tree's root;
                    --nproc N: under torch.distributed.run with N ranks, as Megatron-LM's CI runs
                    its unit tests, so the multi-rank cases run too) and compare them test by
-                   test; fails where a test that passes on PRISTINE does not on PATCHED, or is
-                   missing there.
+                   test; a test that kills its rank (a device-side assert) is "crashed" and the
+                   run goes on after it (tools/upstream_tests.py's runner); fails where a test
+                   that passes on PRISTINE does not on PATCHED, or is missing there. --out DIR
+                   keeps each side's per-rank records and launch logs.
   workspace GIT DIR
                    DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
                    this series as commits: edit, commit, then 'export DIR'.
@@ -42,7 +44,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
@@ -62,6 +63,14 @@ class SeriesError(RuntimeError):
 def _patch_series():
     """tools/patch_series.py, which owns the core series and its bases."""
     spec = importlib.util.spec_from_file_location("patch_series", ROOT / "tools" / "patch_series.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _upstream_tests():
+    """tools/upstream_tests.py, whose runner runs Megatron's unit tests pristine and patched under torchrun."""
+    spec = importlib.util.spec_from_file_location("upstream_tests", ROOT / "tools" / "upstream_tests.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -233,58 +242,56 @@ def make_checkout(megatron_git, out, pristine=False):
     print(f"Megatron-LM {commit[:10]} {what} at {out} ({size / 2**20:.0f} MiB)")
 
 
-def junit_outcomes(report):
-    """Each test of a JUnit report -> passed, failed, error or skipped."""
-    outcomes = {}
-    for case in ET.parse(report).iter("testcase"):
-        tags = {child.tag for child in case}  # a failed test can also error in its teardown: error first
-        outcomes[f"{case.get('classname')}::{case.get('name')}"] = next(
-            (said for tag, said in (("error", "error"), ("failure", "failed"), ("skipped", "skipped")) if tag in tags),
-            "passed")
-    return outcomes
+# A test still running this long is recorded as a timeout and its side goes on after it (a new launch);
+# a side's whole run stops after SIDE_SECONDS (Megatron-LM's RL tests take about 70 s a side on an H200).
+TEST_SECONDS, SIDE_SECONDS = 600.0, 3600.0
 
 
-# A test run on several ranks has the outcome of its worst rank; skipped only where every rank skipped it.
-SEVERITY = ("error", "failed", "passed", "skipped")
+def rl_test_outcomes(name, tree, python, out, nproc=1):
+    """Each test of tests/unit_tests/rl in ``tree`` -> its outcome, the worst over ``nproc`` ranks (passed,
+    failed, error, skipped, crashed, timeout, ...). tools/upstream_tests.py's runner runs them from the tree's
+    root (its megatron is the one imported; a test is named alike in either tree), launch after launch past a
+    test that kills its rank (a device-side assert aborts the process): that test is ``crashed``, the others
+    still run. Its records and logs go under ``out``/``name``."""
+    runner = _upstream_tests()
+    tree = Path(tree).resolve()
+    args = argparse.Namespace(python=python, nproc=nproc, launcher="torchrun" if nproc > 1 else "plain",
+                              timeout=TEST_SECONDS, grace=30.0, side_timeout=SIDE_SECONDS, all_sizes=True,
+                              k=None, pytest_args=[])
+    try:
+        timeout_plugin = "pytest_timeout" not in runner.missing_modules(python, ["pytest_timeout"], tree)
+    except runner.ToolError as err:
+        raise SeriesError(str(err)) from err
+    side_out = Path(out) / name
+    side_out.mkdir(parents=True)
+    try:
+        status = runner.run_side(name, tree, [RL_TESTS], args, side_out, timeout_plugin)
+    finally:  # the runner's plugin, copied into the tree's root for the run
+        (tree / f"{runner.PLUGIN_NAME}.py").unlink(missing_ok=True)
+    if status != "finished":
+        raise SeriesError(f"{name} ({tree}): {status}")
+    return {test: row["outcome"] for test, row in runner.load_side(side_out).items()}
 
 
-def rl_test_outcomes(tree, python, report, nproc=1):
-    """Each test of tests/unit_tests/rl in ``tree`` -> passed, failed, error or skipped (pytest's JUnit
-    report ``report``, one per rank with ``nproc`` > 1; run from the tree's root, so its megatron package is the
-    one imported, and rooted there, so a test has the same name in either tree whatever configuration lies above
-    them)."""
-    report = Path(report)
-    if nproc == 1:
-        launch, path, reports = [python, "-m", "pytest"], report, [report]
-    else:
-        launch = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "pytest"]
-
-        def of_rank(rank):
-            return report.with_name(f"{report.stem}-{rank}{report.suffix}")
-
-        # pytest expands $RANK (set by torch.distributed.run) in the report's path: a report per rank
-        path, reports = of_rank("$RANK"), [of_rank(rank) for rank in range(nproc)]
-    subprocess.run([*launch, RL_TESTS, "-q", "-p", "no:cacheprovider", f"--rootdir={tree}",
-                    f"--junitxml={path}"], cwd=tree)
-    missing = [str(r) for r in reports if not r.is_file()]
-    if missing:
-        raise SeriesError(f"pytest wrote no report {missing[0]} in {tree} (does {python} have pytest?)")
-    ranks = [junit_outcomes(r) for r in reports]
-    return {test: min((outcomes.get(test, "error") for outcomes in ranks), key=SEVERITY.index)
-            for test in set().union(*ranks)}
+COUNTED = ("passed", "failed", "error", "skipped")
 
 
-def compare_rl_tests(python, pristine, patched, nproc=1):
-    """Run the RL unit tests in both trees (on ``nproc`` ranks); print the counts and every test whose outcome
-    differs; refuse a test that passes pristine and not patched."""
+def compare_rl_tests(python, pristine, patched, nproc=1, out=None):
+    """Run the RL unit tests in both trees (on ``nproc`` ranks; records and logs under ``out``, else a
+    scratch folder); print the counts and every test whose outcome differs; refuse a test that passes
+    pristine and not patched."""
     if nproc < 1:
         raise SeriesError(f"--nproc {nproc}: give 1 or more ranks")
+    if out and Path(out).exists():
+        raise SeriesError(f"--out {out} exists: give a new folder")
     with tempfile.TemporaryDirectory() as scratch:
-        sides = {name: rl_test_outcomes(Path(tree).resolve(), python, Path(scratch) / f"{name}.xml", nproc)
+        where = Path(out) if out else Path(scratch)
+        sides = {name: rl_test_outcomes(name, tree, python, where, nproc)
                  for name, tree in (("pristine", pristine), ("patched", patched))}
     for name, outcomes in sides.items():
         counts = Counter(outcomes.values())
-        print(f"{name}: " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "error", "skipped")))
+        others = sorted(set(counts) - set(COUNTED))  # crashed, timeout, xfailed, ...: said where there are any
+        print(f"{name}: " + ", ".join(f"{counts[k]} {k}" for k in (*COUNTED, *others)))
     before, after = sides["pristine"], sides["patched"]
     differ = sorted(t for t in before.keys() | after.keys() if before.get(t) != after.get(t))
     for test in differ:
@@ -350,6 +357,7 @@ def main(argv=None):
     compare.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest in both trees")
     compare.add_argument("--nproc", type=int, default=1,
                          help="ranks to run the tests on (torch.distributed.run), one GPU each on a GPU node")
+    compare.add_argument("--out", help="keep each side's per-rank records and launch logs here (a new folder)")
     compare.add_argument("pristine")
     compare.add_argument("patched")
     sub.add_parser("export").add_argument("repo")
@@ -365,7 +373,7 @@ def main(argv=None):
         elif args.command == "checkout":
             make_checkout(args.megatron, args.out, args.pristine)
         elif args.command == "compare-rl-tests":
-            compare_rl_tests(args.python, args.pristine, args.patched, args.nproc)
+            compare_rl_tests(args.python, args.pristine, args.patched, args.nproc, args.out)
         elif args.command == "workspace":
             make_workspace(args.megatron_git, args.out)
         elif args.command == "export":

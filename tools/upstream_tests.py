@@ -842,21 +842,36 @@ def _kill_group(proc, grace=10.0):
         proc.wait()
 
 
-def finished_ids(results_dir):
-    """Test ids with an end record on any rank, and the ids any rank started last (hung)."""
-    done, last_started = set(), set()
+def open_tests(records):
+    """One rank's records -> [(test, terminated)]: per attempt of that rank, the test it was in when the
+    attempt ended without ending it; terminated where torchrun stopped the rank because another one died
+    (the plugin's ``terminated`` record): that rank did not die in its test, which runs again."""
+    out, open_test, terminated = [], None, False
+    for rec in [*records, {"event": "session"}]:  # the last record closes the last attempt
+        event = rec.get("event")
+        if event == "session":
+            if open_test:
+                out.append((open_test, terminated))
+            open_test, terminated = None, False
+        elif event == "start":
+            open_test = rec["nodeid"]
+        elif event == "end" and rec["nodeid"] == open_test:
+            open_test = None
+        elif event == "terminated":
+            terminated = True
+    return out
+
+
+def finished_ids(results_dir, nproc=1):
+    """Test ids every one of the ``nproc`` ranks ended, and those a rank died in (crashed, or hung past
+    the watchdog): the next attempt skips both."""
+    ended, died_in = {}, set()
     for rank, records in read_records(results_dir).items():
-        open_test = None
         for rec in records:
-            if rec.get("event") == "start":
-                open_test = rec["nodeid"]
-            elif rec.get("event") == "end":
-                done.add(rec["nodeid"])
-                if open_test == rec["nodeid"]:
-                    open_test = None
-        if open_test:
-            last_started.add(open_test)
-    return done, last_started
+            if rec.get("event") == "end":
+                ended.setdefault(rec["nodeid"], set()).add(rank)
+        died_in |= {test for test, terminated in open_tests(records) if not terminated}
+    return {test for test, ranks in ended.items() if len(ranks) >= nproc}, died_in
 
 
 def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None):
@@ -876,7 +891,7 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
             status = "side budget spent"
             break
         skip_file = side_out / f"skip-{attempt}.txt"
-        done, hung = finished_ids(results)
+        done, hung = finished_ids(results, args.nproc)
         skip_file.write_text("".join(f"{t}\n" for t in sorted(done | hung)))
         if args.launcher == "torchrun":
             launch = [args.python, "-m", "torch.distributed.run", "--standalone",
@@ -925,8 +940,8 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
         code = proc.returncode
         if status == "side budget spent":
             break
-        new_done, new_hung = finished_ids(results)
-        ended = _session_ended(results, attempt)
+        new_done, new_hung = finished_ids(results, args.nproc)
+        ended = _session_ended(results, attempt, args.nproc)
         if ended:
             break
         if not (new_done - done) and not (new_hung - hung):
@@ -940,16 +955,19 @@ def run_side(side, root, targets, args, side_out, has_timeout_plugin, stubs=None
     return status
 
 
-def _session_ended(results, attempt):
-    """Whether rank 0 of `attempt` reached the end of its session."""
-    records = read_records(results).get(0, [])
-    current = None
-    for rec in records:
-        if rec.get("event") == "session":
-            current = rec.get("attempt")
-        elif rec.get("event") == "session_end" and current == attempt:
-            return True
-    return False
+def _session_ended(results, attempt, nproc=1):
+    """Whether every one of the ``nproc`` ranks of ``attempt`` reached the end of its session (ranks that
+    do not share collectives can run apart: rank 0 ending says nothing of a rank that died)."""
+    ended = 0
+    for records in read_records(results).values():
+        current = None
+        for rec in records:
+            if rec.get("event") == "session":
+                current = rec.get("attempt")
+            elif rec.get("event") == "session_end" and current == attempt:
+                ended += 1
+                break
+    return ended >= nproc
 
 
 def _device_line(python):
@@ -1167,29 +1185,18 @@ def load_side(side_dir):
     ids = {}
     results = side_dir / "results" if (side_dir / "results").is_dir() else side_dir
     for rank, records in read_records(results).items():
-        open_test = None
         for rec in records:
-            if rec.get("event") == "start":
-                open_test = rec["nodeid"]
-            elif rec.get("event") == "end":
+            if rec.get("event") == "end":
                 key = nodeid_key(rec["nodeid"])
                 ids[key] = rec["nodeid"]
                 per_test.setdefault(key, {})[rank] = (
                     rec["outcome"], float(rec.get("seconds", 0.0)), rec.get("message", ""))
-                if open_test == rec["nodeid"]:
-                    open_test = None
-            elif rec.get("event") == "session":
-                if open_test:  # a new attempt began: the last one died inside open_test
-                    key = nodeid_key(open_test)
-                    ids[key] = open_test
-                    per_test.setdefault(key, {}).setdefault(
-                        rank, ("crashed", 0.0, "the rank ended inside this test"))
-                open_test = None
-        if open_test:
-            key = nodeid_key(open_test)
-            ids[key] = open_test
-            per_test.setdefault(key, {}).setdefault(
-                rank, ("crashed", 0.0, "the rank ended inside this test (killed or hung)"))
+        for nodeid, terminated in open_tests(records):
+            if not terminated:  # an end in a later attempt stands
+                key = nodeid_key(nodeid)
+                ids[key] = nodeid
+                per_test.setdefault(key, {}).setdefault(
+                    rank, ("crashed", 0.0, "the rank ended inside this test (killed or hung)"))
     junit_files = sorted(side_dir.glob("*.xml")) + sorted(results.glob("*.xml")) if results != side_dir \
         else sorted(side_dir.glob("*.xml"))
     for i, path in enumerate(junit_files):

@@ -8,7 +8,8 @@
   prints its file and version;
 * writes one JSON line per test event to ``<results>/rank<RANK>.jsonl`` as it happens
   (``start`` before a test, ``end`` with its outcome and seconds after it), so a run that is
-  killed or hangs still says which test it was in;
+  killed or hangs still says which test it was in, and ``terminated`` when torchrun stops the
+  rank because another one died (its test was not the one that killed the run);
 * writes the collected test ids (rank 0) to ``<results>/collected-<attempt>.json``;
 * deselects the test ids listed in ``--r3-skip`` (tests that finished or hung in an earlier
   attempt of the same side);
@@ -24,6 +25,7 @@ import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -85,6 +87,7 @@ def pytest_configure(config):
     if results:
         os.makedirs(results, exist_ok=True)
         _STATE["file"] = open(os.path.join(results, f"rank{rank}.jsonl"), "a")
+        signal.signal(signal.SIGTERM, _terminated)
         _emit({
             "event": "session", "attempt": config.getoption("--r3-attempt"),
             "core_file": core_file, "version": package_info.__version__, "root": root,
@@ -170,6 +173,14 @@ def pytest_collection_modifyitems(session, config, items):
         with open(path + ".tmp", "w") as handle:
             json.dump([item.nodeid for item in items], handle)
         os.replace(path + ".tmp", path)
+
+
+def _terminated(signum, frame):
+    """torchrun stops the other ranks when one dies: said, so the test this rank was in is not taken for
+    the one that killed it; then the signal's default action ends the rank."""
+    _emit({"event": "terminated"})
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _watchdog_fired(nodeid, seconds):

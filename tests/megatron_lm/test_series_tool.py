@@ -57,10 +57,15 @@ def test_apply_refuses_a_tree_that_is_no_megatron_lm_main_checkout(tmp_path, cap
 
 
 def _rl_tree(root, tests):
-    """A tree with tests/unit_tests/rl/test_rl.py holding ``tests`` (name -> body)."""
+    """A tree with tests/unit_tests/rl/test_rl.py holding ``tests`` (name -> body), and the megatron.core
+    package the runner checks is the tree's own."""
     path = root / "tests" / "unit_tests" / "rl" / "test_rl.py"
     path.parent.mkdir(parents=True)
     path.write_text("import pytest\n\n" + "".join(f"def {name}():\n    {body}\n\n" for name, body in tests.items()))
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text("__version__ = '0.0.0'\n")
     return root
 
 
@@ -75,8 +80,8 @@ def test_compare_rl_tests_reports_what_the_series_adds_and_changes(tmp_path, cap
     patched = _rl_tree(tmp_path / "patched", {**COMMON, "test_fails": "pass", "test_added": "pass"})
     tool.compare_rl_tests(sys.executable, pristine, patched)
     out = capsys.readouterr().out
-    assert "pristine: 1 passed, 1 failed, 0 error, 1 skipped" in out
-    assert "patched: 3 passed, 0 failed, 0 error, 1 skipped" in out
+    assert "pristine: 1 passed, 1 failed, 0 error, 1 skipped\n" in out
+    assert "patched: 3 passed, 0 failed, 0 error, 1 skipped\n" in out
     assert "test_rl::test_added: pristine absent, patched passed" in out
     assert "test_rl::test_fails: pristine failed, patched passed" in out
     assert "ok  2 tests differ" in out
@@ -100,10 +105,30 @@ def test_compare_rl_tests_on_two_ranks_takes_each_tests_worst_rank(tmp_path, cap
     with pytest.raises(tool.SeriesError, match=r"1 tests pass pristine and not patched, first \[.*test_two_ranks"):
         tool.compare_rl_tests(sys.executable, pristine, patched, nproc=2)
     out = capsys.readouterr().out
-    assert "pristine: 2 passed, 1 failed, 0 error, 1 skipped" in out
-    assert "patched: 1 passed, 2 failed, 0 error, 1 skipped" in out
+    assert "pristine: 2 passed, 1 failed, 0 error, 1 skipped\n" in out
+    assert "patched: 1 passed, 2 failed, 0 error, 1 skipped\n" in out
     with pytest.raises(tool.SeriesError, match="--nproc 0"):
         tool.compare_rl_tests(sys.executable, pristine, patched, nproc=0)
+
+
+def test_compare_rl_tests_goes_on_after_a_test_that_kills_its_rank(tmp_path, capsys):
+    """A device-side assert aborts the process of the rank it hits: that test is crashed, on the side it
+    crashed on only, and the tests after it still run (here on rank 1 of 2, as on 2 x H200)."""
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    abort_on_rank_1 = "import os, signal; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGABRT)"
+    tests = {"test_a_first": "pass", "test_b_aborts": abort_on_rank_1, "test_c_after": "pass"}
+    pristine = _rl_tree(tmp_path / "pristine", tests)
+    patched = _rl_tree(tmp_path / "patched", {**tests, "test_b_aborts": "pass"})
+    tool.compare_rl_tests(sys.executable, pristine, patched, nproc=2, out=tmp_path / "records")
+    out = capsys.readouterr().out
+    assert "pristine: 2 passed, 0 failed, 0 error, 0 skipped, 1 crashed\n" in out
+    assert "patched: 3 passed, 0 failed, 0 error, 0 skipped\n" in out
+    assert "test_rl::test_b_aborts: pristine crashed, patched passed" in out
+    assert "ok  1 tests differ" in out
+    assert len(list((tmp_path / "records" / "pristine").glob("attempt*.log"))) == 2  # a launch after the crash
+    assert not (pristine / "r3_upstream_plugin.py").exists()  # the runner's plugin leaves the tree with the run
+    with pytest.raises(tool.SeriesError, match="exists: give a new folder"):
+        tool.compare_rl_tests(sys.executable, pristine, patched, out=tmp_path / "records")
 
 
 def test_compare_rl_tests_refuses_a_test_the_patched_tree_loses(tmp_path):
