@@ -228,6 +228,41 @@ def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, i
     return rows
 
 
+def equal_generation_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
+    """The mean step time of both sides at the same generation work: a least-squares fit of each iteration's
+    step time on replay (0 or 1), its rollout collection's engine steps and one constant per round (a round's
+    placement and order are its own), read at the mean engine steps of all counted iterations. Sampling sets how
+    long a collection runs (a request left generating to the length limit takes hundreds of steps): this row
+    compares the two sides at equal draws of it. None where the engine steps were not logged at every counted
+    iteration or do not vary."""
+    import numpy as np
+
+    rows = []
+    for round_index, pair in enumerate(zip(logs[True], logs[False])):
+        for replay, log in zip((True, False), pair):
+            steps = collection_steps(log, skip)
+            times = {int(it): float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip}
+            if not times or set(times) - set(steps):
+                return []
+            rows += [(times[it], len(steps[it]), replay, round_index) for it in sorted(times)]
+    ms, engine, replay, round_of = (np.array(column, dtype=float) for column in zip(*rows))
+    rounds = [(round_of == k).astype(float) for k in range(int(round_of.max()) + 1)]
+    fit = np.column_stack([replay, engine, *rounds])
+    if len(ms) <= fit.shape[1] or np.linalg.matrix_rank(fit) < fit.shape[1]:
+        return []
+    coef, *_ = np.linalg.lstsq(fit, ms, rcond=None)
+    residual = ms - fit @ coef
+    variance = residual @ residual / (len(ms) - fit.shape[1]) * np.linalg.inv(fit.T @ fit)
+    # the fit leaves each side's mean residual 0: live at the pooled mean engine steps
+    live = ms[replay == 0].mean() + coef[1] * (engine.mean() - engine[replay == 0].mean())
+    difference, error = coef[0], math.sqrt(variance[0, 0])
+    blocks = ", rounds as blocks" if len(rounds) > 1 else ""
+    return [f"| mean step time at equal generation work, ms ({engine.mean():.1f} engine steps a collection; least "
+            f"squares on each collection's engine steps{blocks}; ratio's 95% interval) | {live + difference:.1f} | "
+            f"{live:.1f} | {1 + difference / live:.3f} ({1 + (difference - 1.96 * error) / live:.3f}-"
+            f"{1 + (difference + 1.96 * error) / live:.3f}) | <= 1.03 |"]
+
+
 def ratio_with_interval(replay: list[float], live: list[float]) -> str:
     """Replay's mean over live's and, where each side has two values or more, its 95% interval (the delta
     method on the two means' standard errors, iterations taken as independent): whether a difference of a few
@@ -268,7 +303,8 @@ def step_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
         replay_phase, live_phase = statistics.fmean(sides[True]), statistics.fmean(sides[False])
         ratio = f"{replay_phase / live_phase:.3f}" if live_phase > 0 else "-"
         rows.append(f"| of which `{name}`, ms | {replay_phase:.1f} | {live_phase:.1f} | {ratio} | |")
-    return rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
+    return (rows + engine_rows(logs, skip, {replay: len(times[replay]) for replay in (True, False)})
+            + equal_generation_rows(logs, skip))
 
 
 def iteration_times(log: str) -> list[str]:

@@ -711,3 +711,43 @@ def test_runs_together_each_get_their_environment_and_a_failure_stops_the_other(
     with pytest.raises(SystemExit, match="failed \\(exit 3\\)"):
         bench.run_together(starts())
     assert (runs / "t-0.stopped").read_text() == "stopped\n"  # the live side was stopped and waited for
+
+
+def test_the_bench_compares_the_step_times_at_equal_generation_work(tmp_path):
+    """Replay drew more long collections (sampling): the raw means differ by far more than replay's own 20 ms,
+    the fit on each collection's engine steps gives back the 20 ms; the rounds' own levels are blocks."""
+    from bench.megatron_rl import main as bench_main
+
+    step = " [2026-11-30 10:00:00.000000] iteration {:8d}/{:8d} | elapsed time per iteration (ms): {:.1f} |"
+
+    def log(engine_counts, extra, level):
+        lines = []
+        for it, count in enumerate(engine_counts, start=1):
+            lines += [engine_line(0, n, 10.0, True, 4) for n in range(count)]
+            jitter = 4.0 if it % 2 else -4.0
+            lines.append(step.format(it, len(engine_counts), level + 1000.0 + 50.0 * count + extra + jitter))
+        return "\n".join(lines)
+
+    live, replay = [3, 2, 2, 2, 9, 2, 2, 3], [3, 9, 9, 2, 2, 9, 2, 3]
+    paths = []
+    for index, level in enumerate((0.0, 300.0)):  # round 2 ran 300 ms slower on both sides
+        for side, counts, extra in (("replay", replay, 20.0), ("live", live, 0.0)):
+            paths.append(tmp_path / f"{side}-{index}.log")
+            paths[-1].write_text(log(counts, extra, level))
+    out = tmp_path / "step.md"
+    bench_main(["--from-step-logs", *map(str, paths), "--skip", "1", "--out", str(out)])
+    report = out.read_text()
+    raw = next(line for line in report.splitlines() if line.startswith("| mean step time, ms"))
+    assert float(raw.split("|")[4].split()[0]) > 1.08
+    row = next(line for line in report.splitlines() if "at equal generation work" in line)
+    replay_ms, live_ms, ratio = (cell.strip() for cell in row.split("|")[2:5])
+    assert "(4.1 engine steps a collection;" in row and "rounds as blocks" in row
+    assert float(replay_ms) - float(live_ms) == pytest.approx(20.0, abs=2.0)
+    mean_engine = sum(live[1:] + replay[1:]) / 14
+    assert float(live_ms) == pytest.approx(150.0 + 1000.0 + 50.0 * mean_engine, abs=2.0)
+    low, high = (float(x) for x in ratio.split("(")[1].rstrip(")").split("-"))
+    assert low < 1 + 20.0 / float(live_ms) < high and high - low < 0.02
+    # a counted iteration whose collection's engine steps were not logged: no such row
+    paths[0].write_text(log([3, 0, *replay[2:]], 20.0, 0.0))
+    bench_main(["--from-step-logs", *map(str, paths), "--skip", "1", "--out", str(out), "--overwrite"])
+    assert "equal generation work" not in out.read_text()
