@@ -25,10 +25,11 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   the report counts the iterations whose collections ran the same steps in both (the same generation lengths;
   the engine admits requests as they arrive, so the two runs' draws can still differ). The two main step rows
   give the ratio's 95% interval: whether the iterations resolve a difference of a few percent.
-  ``--concurrent`` (``--nproc 1``) runs each round's two sides at once, each on its own GPU of the node (the
-  first two visible, swapped every round) and its own rollout-server port (``MEGATRON_RL_INFERENCE_SERVER_PORT``,
+  ``--concurrent`` runs each round's two sides at once, each on ``--nproc`` GPUs of its own (the first
+  2 x nproc visible, swapped every round) and its own rollout-server port (``MEGATRON_RL_INFERENCE_SERVER_PORT``,
   the Megatron-LM series' 0004): the host's drift falls on both sides alike, and an hour gives each side twice
-  the iterations.
+  the iterations. With ``--share-gpus`` both runs use the same first ``--nproc`` GPUs: a layout that takes every
+  GPU of the node still runs both sides under the same conditions, each slowed by the other alike.
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -528,10 +529,12 @@ def main(argv=None):
                         help="the first round runs live, then replay (later rounds alternate): a round to pool, through "
                              "--from-step-logs, with one run replay-first in another call")
     parser.add_argument("--concurrent", action="store_true",
-                        help="each round's replay run and live run at once, one GPU each (the first two visible; "
-                             "which side has which swaps every round), each serving its rollouts on a port of its "
-                             "own: both sides under the same host conditions, twice the iterations an hour "
-                             "(--nproc 1)")
+                        help="each round's replay run and live run at once, --nproc GPUs each (the first 2 x nproc "
+                             "visible; which side has which swaps every round), each serving its rollouts on a port "
+                             "of its own: both sides under the same host conditions, twice the iterations an hour")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="with --concurrent: both runs on the same first --nproc GPUs (a layout that takes "
+                             "every GPU of the node), each slowed by the other alike")
     parser.add_argument("--frozen-policy", action="store_true",
                         help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
                              "replay and live sample from the same policy throughout")
@@ -564,19 +567,23 @@ def main(argv=None):
     args.rounds = 2 if args.rounds is None else args.rounds
     if args.frozen_policy and not args.rounds:
         parser.error("--frozen-policy sets how the step-time runs train: --rounds 0 runs none")
-    if args.concurrent and (args.nproc != 1 or not args.rounds or args.live_first):
-        parser.error("--concurrent runs each round's two sides at once on one GPU each: it takes --nproc 1, "
-                     "--rounds 1 or more, and no --live-first (neither side runs first)")
+    if args.concurrent and (not args.rounds or args.live_first):
+        parser.error("--concurrent runs each round's two sides at once: it takes --rounds 1 or more, and no "
+                     "--live-first (neither side runs first)")
+    if args.share_gpus and not args.concurrent:
+        parser.error("--share-gpus places the two runs of --concurrent: give it with --concurrent")
     if "MEGATRON" not in os.environ:
         sys.exit("bench.megatron_rl: set MEGATRON to a Megatron-LM main checkout with both series")
     import torch
 
     gpus = (os.environ["CUDA_VISIBLE_DEVICES"].split(",") if os.environ.get("CUDA_VISIBLE_DEVICES")
             else [str(index) for index in range(torch.cuda.device_count())])
-    needed = 2 if args.concurrent else args.nproc
+    apart = args.concurrent and not args.share_gpus
+    needed = args.nproc * (2 if apart else 1)
     if torch.cuda.device_count() < needed:
-        sys.exit(f"bench.megatron_rl: {'--concurrent' if args.concurrent else f'--nproc {args.nproc}'} needs "
-                 f"{needed} GPUs; {torch.cuda.device_count()} visible")
+        what = f"--concurrent{f' --nproc {args.nproc}' if args.nproc > 1 else ''}" if apart else f"--nproc {args.nproc}"
+        sys.exit(f"bench.megatron_rl: {what} needs {needed} GPUs; {torch.cuda.device_count()} visible"
+                 + (f" (--share-gpus runs both sides on the same {args.nproc})" if apart else ""))
     check_outputs(args.out, args.k3, args.overwrite)  # before runs of many minutes, not after
     device = torch.cuda.get_device_name()
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
@@ -588,6 +595,8 @@ def main(argv=None):
         flags += " --live-first"
     if args.concurrent:
         flags += " --concurrent"
+    if args.share_gpus:
+        flags += " --share-gpus"
     report = [f"## train_rl.py with and without routing replay ({args.nproc} x {device})", "",
               f"`MEGATRON=<checkout> python -m bench.megatron_rl {flags} --skip {args.skip} --out {args.out}`; "
               "runs, in order:", ""]
@@ -607,8 +616,11 @@ def main(argv=None):
                    dict(tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
                         extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")) for replay in sides]
         if args.concurrent:
-            for (_, kwargs), gpu, port in zip(starts, gpus[:2], free_ports(2)):
-                kwargs["env_extra"] = {"CUDA_VISIBLE_DEVICES": gpu, "MEGATRON_RL_INFERENCE_SERVER_PORT": str(port)}
+            n = args.nproc
+            places = [gpus[:n], gpus[:n]] if args.share_gpus else [gpus[:n], gpus[n:2 * n]]
+            for (_, kwargs), place, port in zip(starts, places, free_ports(2)):
+                kwargs["env_extra"] = {"CUDA_VISIBLE_DEVICES": ",".join(place),
+                                       "MEGATRON_RL_INFERENCE_SERVER_PORT": str(port)}
             results = run_together(starts)
         else:
             results = [run(*positional, **kwargs) for positional, kwargs in starts]

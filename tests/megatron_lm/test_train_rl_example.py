@@ -636,7 +636,7 @@ def test_the_bench_pairs_the_metrics_run_s_replayed_and_live_forward_passes_by_i
     assert "forward-only pass" not in out.read_text()
 
 
-def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpu_and_port(tmp_path, monkeypatch):
+def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpus_or_shared_ones_and_port(tmp_path, monkeypatch):
     import torch
 
     import bench.megatron_rl as bench
@@ -669,9 +669,22 @@ def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpu_and_port(tmp_
     report = out.read_text()
     assert "--rounds 2 --concurrent" in report
     assert "| round 1, ran together: step time less `rl/rollout-collection`, ms | 5000.0 | 4000.0 | 1.250 | |" in report
-    for argv in (["--nproc", "2"], ["--live-first"], ["--rounds", "0"]):  # refused before any run
+    for argv in (["--live-first"], ["--rounds", "0"]):  # refused before any run
         with pytest.raises(SystemExit):
             bench.main(["--no-k3", "--concurrent", *argv, "--out", str(tmp_path / "refused.md")])
+    with pytest.raises(SystemExit, match=r"--concurrent --nproc 2 needs 4 GPUs; 2 visible \(--share-gpus runs"):
+        bench.main(["--no-k3", "--concurrent", "--nproc", "2", "--out", str(tmp_path / "refused.md")])
+    with pytest.raises(SystemExit):
+        bench.main(["--no-k3", "--share-gpus", "--out", str(tmp_path / "refused.md")])
+    # a 2-GPU layout on a 2-GPU node: both sides on both GPUs at once, each on a port of its own
+    rounds.clear()
+    bench.main(["--no-k3", "--rounds", "1", "--concurrent", "--share-gpus", "--nproc", "2", "--skip", "1",
+                "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "shared.md")])
+    (replay, live), = rounds
+    assert replay[2]["CUDA_VISIBLE_DEVICES"] == live[2]["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert replay[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"] != live[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"]
+    assert "--nproc 2 --iters" in (tmp_path / "shared.md").read_text()
+    assert "--concurrent --share-gpus" in (tmp_path / "shared.md").read_text()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="--concurrent needs 2 GPUs; 1 visible"):
         bench.main(["--no-k3", "--concurrent", "--out", str(tmp_path / "refused.md")])
