@@ -32,7 +32,8 @@ import time
 
 import pytest
 
-_STATE = {"file": None, "lock": threading.Lock(), "timer": None, "current": None}
+# Reentrant: the SIGTERM handler writes from the main thread, which the signal may catch inside a write of its own.
+_STATE = {"file": None, "lock": threading.RLock(), "timer": None, "current": None}
 
 
 def pytest_addoption(parser):
