@@ -157,20 +157,38 @@ def paired_forward_rows(log: str, skip: int) -> tuple[list[str], list[str]]:
     return [row], [note]
 
 
-def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
-    """The engine steps of the rollout collections of the iterations after ``skip``, one tuple per step
-    (iteration, ms, decode-only, active requests), of the lowest rank that logs them: a collection runs before
-    its iteration's line, so the steps between the lines of iterations N - 1 and N are iteration N's."""
-    steps = []
-    for iteration, line in lines_after_iterations(log):
-        engine = ENGINE_STEP.search(line)
-        if engine and iteration + 1 > skip:
-            steps.append((int(engine.group(1)), iteration + 1, float(engine.group(2)),
-                          engine.group(3) == "decode", int(engine.group(4))))
-    rank = min((s[0] for s in steps), default=0)
+def engine_steps_by_rank(log: str, skip: int) -> dict[int, list[tuple[int, float, bool, int]]]:
+    """The engine steps of the rollout collections of the iterations after ``skip``, per rank that logs them, one
+    tuple per step (iteration, ms, decode-only, active requests): a collection runs before its iteration's line,
+    so the steps between the lines of iterations N - 1 and N are iteration N's."""
     # a collection whose iteration never ended (a run cut short) has no step time to stand beside
     last = max((int(it) for it, _ in STEP_TIME.findall(log)), default=0)
-    return [s[1:] for s in steps if s[0] == rank and s[1] <= last]
+    steps = {}
+    for iteration, line in lines_after_iterations(log):
+        engine = ENGINE_STEP.search(line)
+        if engine and skip < iteration + 1 <= last:
+            steps.setdefault(int(engine.group(1)), []).append(
+                (iteration + 1, float(engine.group(2)), engine.group(3) == "decode", int(engine.group(4))))
+    return steps
+
+
+def engine_steps(log: str, skip: int) -> list[tuple[int, float, bool, int]]:
+    """:func:`engine_steps_by_rank`'s steps of the lowest rank that logs them."""
+    steps = engine_steps_by_rank(log, skip)
+    return steps[min(steps)] if steps else []
+
+
+def slowest_rank_steps(log: str, skip: int) -> dict[int, int]:
+    """Per iteration after ``skip``, the most engine steps any rank's collection ran: each rank generates its own
+    share of the requests and the step goes on when the last one is done, so the longest sets the wait."""
+    most = {}
+    for steps in engine_steps_by_rank(log, skip).values():
+        counts = {}
+        for iteration, *_ in steps:
+            counts[iteration] = counts.get(iteration, 0) + 1
+        for iteration, count in counts.items():
+            most[iteration] = max(most.get(iteration, 0), count)
+    return most
 
 
 # Learning rate 0 (Adam, its weight decay scaled by it, moves no weight): every iteration samples from the same policy.
@@ -210,8 +228,10 @@ def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, i
     steps = {replay: [s for log in logs[replay] for s in engine_steps(log, skip)] for replay in (True, False)}
     if not steps[True] or not steps[False]:
         return []
-    per_collection = {replay: len(steps[replay]) / iterations[replay] for replay in (True, False)}
-    rows = [f"| engine steps per rollout collection | {per_collection[True]:.1f} | {per_collection[False]:.1f} | "
+    per_collection = {replay: sum(sum(slowest_rank_steps(log, skip).values()) for log in logs[replay])
+                      / iterations[replay] for replay in (True, False)}
+    rows = [f"| engine steps per rollout collection (the rank that ran the most) | {per_collection[True]:.1f} | "
+            f"{per_collection[False]:.1f} | "
             f"{per_collection[True] / per_collection[False]:.3f} | |"]
     decode = {replay: {} for replay in (True, False)}
     for replay in (True, False):
@@ -231,7 +251,8 @@ def engine_rows(logs: dict[bool, list[str]], skip: int, iterations: dict[bool, i
 
 def equal_generation_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     """The mean step time of both sides at the same generation work: a least-squares fit of each iteration's
-    step time on replay (0 or 1), its rollout collection's engine steps and one constant per round (a round's
+    step time on replay (0 or 1), its rollout collection's engine steps (:func:`slowest_rank_steps`: on several
+    ranks the longest generation sets the step) and one constant per round (a round's
     placement and order are its own), read at the mean engine steps of all counted iterations. Sampling sets how
     long a collection runs (a request left generating to the length limit takes hundreds of steps): this row
     compares the two sides at equal draws of it. None where the engine steps were not logged at every counted
@@ -241,11 +262,11 @@ def equal_generation_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     rows = []
     for round_index, pair in enumerate(zip(logs[True], logs[False])):
         for replay, log in zip((True, False), pair):
-            steps = collection_steps(log, skip)
+            steps = slowest_rank_steps(log, skip)
             times = {int(it): float(ms) for it, ms in STEP_TIME.findall(log) if int(it) > skip}
             if not times or set(times) - set(steps):
                 return []
-            rows += [(times[it], len(steps[it]), replay, round_index) for it in sorted(times)]
+            rows += [(times[it], steps[it], replay, round_index) for it in sorted(times)]
     ms, engine, replay, round_of = (np.array(column, dtype=float) for column in zip(*rows))
     rounds = [(round_of == k).astype(float) for k in range(int(round_of.max()) + 1)]
     fit = np.column_stack([replay, engine, *rounds])
@@ -259,7 +280,8 @@ def equal_generation_rows(logs: dict[bool, list[str]], skip: int) -> list[str]:
     difference, error = coef[0], math.sqrt(variance[0, 0])
     blocks = ", rounds as blocks" if len(rounds) > 1 else ""
     return [f"| mean step time at equal generation work, ms ({engine.mean():.1f} engine steps a collection; least "
-            f"squares on each collection's engine steps{blocks}; ratio's 95% interval) | {live + difference:.1f} | "
+            f"squares on each collection's engine steps, the slowest rank's{blocks}; ratio's 95% interval) | "
+            f"{live + difference:.1f} | "
             f"{live:.1f} | {1 + difference / live:.3f} ({1 + (difference - 1.96 * error) / live:.3f}-"
             f"{1 + (difference + 1.96 * error) / live:.3f}) | <= 1.03 |"]
 

@@ -427,7 +427,7 @@ def test_the_bench_reports_the_engine_steps_per_collection_and_a_decode_step_at_
     bench_main(["--from-step-logs", str(tmp_path / "replay.log"), str(tmp_path / "live.log"), "--skip", "1",
                 "--out", str(out)])
     report = out.read_text()
-    assert "| engine steps per rollout collection | 3.5 | 2.0 | 1.750 | |" in report
+    assert "| engine steps per rollout collection (the rank that ran the most) | 3.5 | 2.0 | 1.750 | |" in report
     # live's mix over the active counts both sides ran at (5 is live's only): 3 steps at 32, 1 at 1
     assert ("| engine decode step, ms (6 and 4 steps at 1-32 active requests, live's mix) | "
             f"{(3 * 22.0 + 11.0) / 4:.2f} | {(3 * 20.0 + 10.0) / 4:.2f} | 1.100 | |") in report
@@ -728,15 +728,19 @@ def test_runs_together_each_get_their_environment_and_a_failure_stops_the_other(
 
 def test_the_bench_compares_the_step_times_at_equal_generation_work(tmp_path):
     """Replay drew more long collections (sampling): the raw means differ by far more than replay's own 20 ms,
-    the fit on each collection's engine steps gives back the 20 ms; the rounds' own levels are blocks."""
+    the fit on each collection's engine steps gives back the 20 ms; the rounds' own levels are blocks. On two
+    ranks the step waits for the rank that generated longest, whichever rank that is."""
     from bench.megatron_rl import main as bench_main
 
     step = " [2026-11-30 10:00:00.000000] iteration {:8d}/{:8d} | elapsed time per iteration (ms): {:.1f} |"
 
-    def log(engine_counts, extra, level):
+    def log(engine_counts, extra, level, short_rank=None):
+        # short_rank: a second rank whose collections all ran 2 steps, logged before the long one's
         lines = []
         for it, count in enumerate(engine_counts, start=1):
-            lines += [engine_line(0, n, 10.0, True, 4) for n in range(count)]
+            if short_rank is not None:
+                lines += [engine_line(short_rank, n, 10.0, True, 4) for n in range(2)]
+            lines += [engine_line(1 if short_rank == 0 else 0, n, 10.0, True, 4) for n in range(count)]
             jitter = 4.0 if it % 2 else -4.0
             lines.append(step.format(it, len(engine_counts), level + 1000.0 + 50.0 * count + extra + jitter))
         return "\n".join(lines)
@@ -760,6 +764,12 @@ def test_the_bench_compares_the_step_times_at_equal_generation_work(tmp_path):
     assert float(live_ms) == pytest.approx(150.0 + 1000.0 + 50.0 * mean_engine, abs=2.0)
     low, high = (float(x) for x in ratio.split("(")[1].rstrip(")").split("-"))
     assert low < 1 + 20.0 / float(live_ms) < high and high - low < 0.02
+    # the same collections with rank 1 the long one and rank 0 running 2 steps each time: the same fit
+    for index, level in enumerate((0.0, 300.0)):
+        for (side, counts, extra), path in zip((("replay", replay, 20.0), ("live", live, 0.0)), paths[2 * index:]):
+            path.write_text(log(counts, extra, level, short_rank=0))
+    bench_main(["--from-step-logs", *map(str, paths), "--skip", "1", "--out", str(out), "--overwrite"])
+    assert next(line for line in out.read_text().splitlines() if "at equal generation work" in line) == row
     # a counted iteration whose collection's engine steps were not logged: no such row
     paths[0].write_text(log([3, 0, *replay[2:]], 20.0, 0.0))
     bench_main(["--from-step-logs", *map(str, paths), "--skip", "1", "--out", str(out), "--overwrite"])
