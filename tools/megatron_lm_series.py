@@ -28,8 +28,11 @@ Commands:
                    its unit tests, so the multi-rank cases run too) and compare them test by
                    test; a test that kills its rank (a device-side assert) is "crashed" and the
                    run goes on after it (tools/upstream_tests.py's runner); fails where a test
-                   that passes on PRISTINE does not on PATCHED, or is missing there. --out DIR
-                   keeps each side's per-rank records and launch logs.
+                   that passes on PRISTINE does not on PATCHED, or is missing there. Each test
+                   whose outcome differs then runs again alone (a launch of its own) in both
+                   trees: a test run after a device-side assert in the same process meets a
+                   broken CUDA context, which is not its own outcome. --out DIR keeps each
+                   side's per-rank records and launch logs.
   workspace GIT DIR
                    DIR: a clone of Megatron-LM main with the core series (tag core-r3) and
                    this series as commits: edit, commit, then 'export DIR'.
@@ -247,12 +250,13 @@ def make_checkout(megatron_git, out, pristine=False):
 TEST_SECONDS, SIDE_SECONDS = 600.0, 3600.0
 
 
-def rl_test_outcomes(name, tree, python, out, nproc=1):
-    """Each test of tests/unit_tests/rl in ``tree`` -> its outcome, the worst over ``nproc`` ranks (passed,
-    failed, error, skipped, crashed, timeout, ...). tools/upstream_tests.py's runner runs them from the tree's
-    root (its megatron is the one imported; a test is named alike in either tree), launch after launch past a
-    test that kills its rank (a device-side assert aborts the process): that test is ``crashed``, the others
-    still run. Its records and logs go under ``out``/``name``."""
+def rl_test_outcomes(name, tree, python, out, nproc=1, targets=(RL_TESTS,)):
+    """Each test of ``targets`` (tests/unit_tests/rl) in ``tree`` -> its row (``load_side``'s: the pytest id
+    and the outcome, the worst over ``nproc`` ranks: passed, failed, error, skipped, crashed, timeout, ...).
+    tools/upstream_tests.py's runner runs them from the tree's root (its megatron is the one imported; a test
+    is named alike in either tree), launch after launch past a test that kills its rank (a device-side assert
+    aborts the process): that test is ``crashed``, the others still run. Its records and logs go under
+    ``out``/``name``."""
     runner = _upstream_tests()
     tree = Path(tree).resolve()
     args = argparse.Namespace(python=python, nproc=nproc, launcher="torchrun" if nproc > 1 else "plain",
@@ -265,41 +269,58 @@ def rl_test_outcomes(name, tree, python, out, nproc=1):
     side_out = Path(out) / name
     side_out.mkdir(parents=True)
     try:
-        status = runner.run_side(name, tree, [RL_TESTS], args, side_out, timeout_plugin)
+        status = runner.run_side(name, tree, list(targets), args, side_out, timeout_plugin)
     finally:  # the runner's plugin, copied into the tree's root for the run
         (tree / f"{runner.PLUGIN_NAME}.py").unlink(missing_ok=True)
     if status != "finished":
         raise SeriesError(f"{name} ({tree}): {status}")
-    return {test: row["outcome"] for test, row in runner.load_side(side_out).items()}
+    return runner.load_side(side_out)
 
 
 COUNTED = ("passed", "failed", "error", "skipped")
+# Tests whose outcomes differ run again alone, this many at most (each is a launch per tree).
+ALONE_AT_MOST = 8
 
 
 def compare_rl_tests(python, pristine, patched, nproc=1, out=None):
     """Run the RL unit tests in both trees (on ``nproc`` ranks; records and logs under ``out``, else a
-    scratch folder); print the counts and every test whose outcome differs; refuse a test that passes
-    pristine and not patched."""
+    scratch folder); print the counts and every test whose outcome differs, with its outcomes when it runs
+    alone in each tree; refuse a test that passes pristine and not patched."""
     if nproc < 1:
         raise SeriesError(f"--nproc {nproc}: give 1 or more ranks")
     if out and Path(out).exists():
         raise SeriesError(f"--out {out} exists: give a new folder")
+    trees = {"pristine": pristine, "patched": patched}
     with tempfile.TemporaryDirectory() as scratch:
         where = Path(out) if out else Path(scratch)
-        sides = {name: rl_test_outcomes(name, tree, python, where, nproc)
-                 for name, tree in (("pristine", pristine), ("patched", patched))}
-    for name, outcomes in sides.items():
-        counts = Counter(outcomes.values())
-        others = sorted(set(counts) - set(COUNTED))  # crashed, timeout, xfailed, ...: said where there are any
-        print(f"{name}: " + ", ".join(f"{counts[k]} {k}" for k in (*COUNTED, *others)))
-    before, after = sides["pristine"], sides["patched"]
-    differ = sorted(t for t in before.keys() | after.keys() if before.get(t) != after.get(t))
+        rows = {name: rl_test_outcomes(name, tree, python, where, nproc) for name, tree in trees.items()}
+        sides = {name: {test: row["outcome"] for test, row in side.items()} for name, side in rows.items()}
+        for name, outcomes in sides.items():
+            counts = Counter(outcomes.values())
+            others = sorted(set(counts) - set(COUNTED))  # crashed, timeout, xfailed, ...: said where there are any
+            print(f"{name}: " + ", ".join(f"{counts[k]} {k}" for k in (*COUNTED, *others)))
+        before, after = sides["pristine"], sides["patched"]
+        differ = sorted(t for t in before.keys() | after.keys() if before.get(t) != after.get(t))
+        in_both = [t for t in differ if t in before and t in after]
+        alone = {}
+        for index, test in enumerate(in_both[:ALONE_AT_MOST]):
+            alone[test] = {}
+            for name, tree in trees.items():
+                side = rl_test_outcomes(f"{name}-alone-{index}", tree, python, where, nproc,
+                                        targets=[rows[name][test]["id"]])
+                alone[test][name] = side.get(test, {}).get("outcome", "not run")
     for test in differ:
-        print(f"  {test}: pristine {before.get(test, 'absent')}, patched {after.get(test, 'absent')}")
+        ran_alone = (f"; alone: pristine {alone[test]['pristine']}, patched {alone[test]['patched']}"
+                     if test in alone else "")
+        print(f"  {test}: pristine {before.get(test, 'absent')}, patched {after.get(test, 'absent')}{ran_alone}")
+    if len(in_both) > ALONE_AT_MOST:
+        print(f"  ({len(in_both) - ALONE_AT_MOST} more tests differ than ran alone)")
     lost = [t for t in differ if before.get(t) == "passed"]
     if lost:
         raise SeriesError(f"{len(lost)} tests pass pristine and not patched, first {lost[:5]}")
-    print(f"ok  {len(differ)} tests differ, none passing pristine only")
+    same_alone = sum(outcomes["pristine"] == outcomes["patched"] for outcomes in alone.values())
+    print(f"ok  {len(differ)} tests differ, none passing pristine only"
+          + (f"; run alone, {same_alone} of {len(alone)} have the same outcome in both trees" if alone else ""))
 
 
 def make_workspace(megatron_git, out):

@@ -82,9 +82,9 @@ def test_compare_rl_tests_reports_what_the_series_adds_and_changes(tmp_path, cap
     out = capsys.readouterr().out
     assert "pristine: 1 passed, 1 failed, 0 error, 1 skipped\n" in out
     assert "patched: 3 passed, 0 failed, 0 error, 1 skipped\n" in out
-    assert "test_rl::test_added: pristine absent, patched passed" in out
-    assert "test_rl::test_fails: pristine failed, patched passed" in out
-    assert "ok  2 tests differ" in out
+    assert "test_rl::test_added: pristine absent, patched passed\n" in out  # nothing to run alone in pristine
+    assert "test_rl::test_fails: pristine failed, patched passed; alone: pristine failed, patched passed\n" in out
+    assert "ok  2 tests differ, none passing pristine only; run alone, 0 of 1 have the same outcome" in out
 
 
 @pytest.mark.parametrize("change", [{"test_passes": "assert False"}, {"test_passes": "pytest.skip('x')"}])
@@ -123,12 +123,31 @@ def test_compare_rl_tests_goes_on_after_a_test_that_kills_its_rank(tmp_path, cap
     out = capsys.readouterr().out
     assert "pristine: 2 passed, 0 failed, 0 error, 0 skipped, 1 crashed\n" in out
     assert "patched: 3 passed, 0 failed, 0 error, 0 skipped\n" in out
-    assert "test_rl::test_b_aborts: pristine crashed, patched passed" in out
+    assert "test_rl::test_b_aborts: pristine crashed, patched passed; alone: pristine crashed, patched passed" in out
     assert "ok  1 tests differ" in out
     assert len(list((tmp_path / "records" / "pristine").glob("attempt*.log"))) == 2  # a launch after the crash
+    assert (tmp_path / "records" / "pristine-alone-0" / "attempt0.log").exists()
     assert not (pristine / "r3_upstream_plugin.py").exists()  # the runner's plugin leaves the tree with the run
     with pytest.raises(tool.SeriesError, match="exists: give a new folder"):
         tool.compare_rl_tests(sys.executable, pristine, patched, out=tmp_path / "records")
+
+
+def test_compare_rl_tests_runs_each_test_that_differs_alone(tmp_path, capsys):
+    """As on 2 x H200: a pristine test hits a device-side assert that surfaces as its failure, and the test
+    after it in the same process meets the broken CUDA context and fails too; patched, the same assert aborts
+    the process and the next launch runs the test after it clean. Run alone, the second test passes in both
+    trees, and the first differs only in how the same assert ends it."""
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    after = "import os; assert 'BROKEN' not in os.environ"
+    breaks = "import os; os.environ['BROKEN'] = '1'; assert False"
+    aborts = "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"
+    pristine = _rl_tree(tmp_path / "pristine", {"test_a_breaks": breaks, "test_b_after": after})
+    patched = _rl_tree(tmp_path / "patched", {"test_a_breaks": aborts, "test_b_after": after})
+    tool.compare_rl_tests(sys.executable, pristine, patched)
+    out = capsys.readouterr().out
+    assert "test_rl::test_a_breaks: pristine failed, patched crashed; alone: pristine failed, patched crashed\n" in out
+    assert "test_rl::test_b_after: pristine failed, patched passed; alone: pristine passed, patched passed\n" in out
+    assert "ok  2 tests differ, none passing pristine only; run alone, 1 of 2 have the same outcome in both trees" in out
 
 
 def test_compare_rl_tests_refuses_a_test_the_patched_tree_loses(tmp_path):
