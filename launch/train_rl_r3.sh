@@ -15,9 +15,11 @@
 # EXTRA_ARGS (more train_rl.py flags), MEGATRON_RL_INFERENCE_SERVER_PORT (the port the run serves its rollouts
 # on, default 8294: another run on the node needs another), PYTHON (Python >= 3.12, which Megatron-LM main needs;
 # default: this repository's .venv/bin/python, else python3; train_rl.py's dependencies: make
-# megatron-rl-deps). The model (launch/train_rl_common.sh): qwen3_30b_a3b_moe.sh's architecture
-# (RMSNorm, SwiGLU, QK-norm, GQA, RoPE, aux-loss router, alltoall dispatcher, every layer MoE), shrunk
-# to 4 layers, hidden 512, 32 experts top-4. docs/megatron_rl.md.
+# megatron-rl-deps), GRAPHS (1: the engine decodes under its CUDA graphs, with the flags of Megatron-LM's own
+# MoE RL config examples/rl/model_configs/nemotron6_3b_moe.sh; default 0: eager). The model
+# (launch/train_rl_common.sh): qwen3_30b_a3b_moe.sh's architecture (RMSNorm, SwiGLU, QK-norm, GQA, RoPE,
+# aux-loss router, alltoall dispatcher, every layer MoE), shrunk to 4 layers, hidden 512, 32 experts top-4.
+# docs/megatron_rl.md.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -39,6 +41,8 @@ if [ -n "${INIT:-}" ]; then
     || refuse "INIT=$INIT holds no Megatron checkpoint (latest_checkpointed_iteration.txt): launch/countdown_sft_r3.sh makes one"
   INIT=$(cd "$INIT" && pwd)
 fi
+GRAPHS=${GRAPHS:-0}
+[[ "$GRAPHS" = 0 || "$GRAPHS" = 1 ]] || refuse "GRAPHS=$GRAPHS: give 1 (the engine decodes under CUDA graphs) or 0"
 OUT=$(mkdir -p "${1:-runs/train_rl_r3}" && cd "${1:-runs/train_rl_r3}" && pwd)
 NPROC=${NPROC:-1}
 ITERS=${ITERS:-50}
@@ -51,6 +55,14 @@ offline_env "$OUT"
 REPLAY_ARGS=()
 [ "$REPLAY" = 1 ] && REPLAY_ARGS+=(--moe-enable-routing-replay)
 [ "$METRICS" = 1 ] && REPLAY_ARGS+=(--rl-routing-replay-metrics)
+# GRAPHS=1: nemotron6_3b_moe.sh's flags for the engine's graphs (and common.sh's persistence): graphs of
+# decode-only steps, kept across suspends; on a graphed step each expert takes the most tokens it could get
+# (Megatron's drop-and-pad at a capacity that drops none), so no MoE layer copies its token counts to the
+# host, which capture refuses. The engine records the routes under its graphs into static buffers; the RL
+# loop removes the graphs for training, where the routes replay.
+GRAPH_ARGS=()
+[ "$GRAPHS" = 1 ] && GRAPH_ARGS+=(--cuda-graph-impl local --decode-only-cuda-graphs --rl-persist-cuda-graphs
+                                  --moe-pad-experts-for-cuda-graph-inference)
 
 model_args "$OUT/assets/tokenizer"
 RL_ARGS=(
@@ -59,8 +71,8 @@ RL_ARGS=(
   --micro-batch-size 1 --global-batch-size 32 --grpo-group-size 4 --grpo-prompts-per-step 8
   --grpo-iterations 1 --grpo-kl-beta 0.0 --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.2
   --rl-use-sequence-packing --rl-skip-bos-token
-  # No inference CUDA graphs: without --moe-grouped-gemm Megatron's experts (SequentialMLP) split
-  # tokens by a host copy of their counts, which graph capture refuses.
+  # Eager unless GRAPHS=1: without Megatron's padding of experts on graphed steps (below) its experts
+  # (SequentialMLP) split tokens by a host copy of their counts, which graph capture refuses.
   --inference-dynamic-batching-buffer-size-gb 4
 )
 TRAIN_ARGS=(
@@ -75,4 +87,4 @@ cd "$MEGATRON"
 # --standalone: one node, a free rendezvous port (another run on the node keeps its own).
 run_logged "$OUT/train_rl-replay$REPLAY-np$NPROC.log" \
   "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" train_rl.py \
-  "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" ${EXTRA_ARGS:-}
+  "${MODEL_ARGS[@]}" "${RL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${REPLAY_ARGS[@]}" "${GRAPH_ARGS[@]}" ${EXTRA_ARGS:-}

@@ -219,10 +219,36 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     for extra in ("--attention-backend flash", "--seed 3 --attention-backend=flash --bf16"):
         proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "EXTRA_ARGS": extra}, tmp_path)
         assert proc.returncode == 2 and "EXTRA_ARGS --attention-backend flash: TE 2.20.2" in proc.stderr
+    proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "GRAPHS": "yes"}, tmp_path)
+    assert proc.returncode == 2 and "GRAPHS=yes: give 1 (the engine decodes under CUDA graphs) or 0" in proc.stderr
     for short in ("256", "abc"):  # a countdown prompt alone takes up to ~300 tokens
         proc = launch({"MEGATRON": str(tree), "PYTHON": str(new_python), "SEQ_LEN": short}, tmp_path)
         assert proc.returncode == 2 and f"SEQ_LEN={short}: give 384..1024" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing made before the refusals
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_graphs_give_the_engine_megatron_lm_s_own_cuda_graph_flags(tmp_path, graphs):
+    """GRAPHS=1: the flags Megatron-LM's MoE RL config (nemotron6_3b_moe.sh, common.sh) runs its engine's
+    graphs with; no training graphs (routing replay refuses those)."""
+    tree = tmp_path / "Megatron-LM"
+    (tree / "megatron" / "rl").mkdir(parents=True)
+    (tree / "train_rl.py").write_text("")
+    (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
+    (tmp_path / "out" / "assets").mkdir(parents=True)
+    (tmp_path / "out" / "assets" / "countdown.yaml").write_text("")
+    python = tmp_path / "python3.12"  # passes the version check; as torchrun: prints its arguments
+    python.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 0\necho "ARGS $*"\n')
+    python.chmod(0o755)
+    proc = launch({"MEGATRON": str(tree), "PYTHON": str(python), "GRAPHS": graphs}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    args = next(line for line in proc.stdout.splitlines() if line.startswith("ARGS ")).split()
+    flags = ["--cuda-graph-impl", "--decode-only-cuda-graphs", "--rl-persist-cuda-graphs",
+             "--moe-pad-experts-for-cuda-graph-inference"]
+    assert [flag in args for flag in flags] == [graphs == "1"] * len(flags)
+    assert "--rl-training-cuda-graphs" not in args and "--moe-enable-routing-replay" in args
+    if graphs == "1":
+        assert args[args.index("--cuda-graph-impl") + 1] == "local"
 
 
 def test_the_launch_script_returns_when_the_run_ends_though_a_child_outlives_it(tmp_path):

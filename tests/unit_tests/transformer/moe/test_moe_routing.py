@@ -482,13 +482,23 @@ class TestMoERoutingInGPTModel:
         with pytest.raises(ValueError, match=option):
             run_model(model, batch, _forced(batch[0]), backward=False)
 
-    def test_cuda_graphs_are_refused_for_moe_routing_only(self):
-        config = _config()
-        config.cuda_graph_impl = "local"  # the config accepts it: RouterReplay records under it
+    def test_cuda_graphs_refuse_the_routes_only_where_a_layer_replays_one(self):
+        """cuda_graph_impl="local" (which the config accepts: RouterReplay records under it)
+        leaves a graph manager on every layer, which a training forward replays; Megatron-LM's
+        RL loop keeps the graphs for inference only and removes them for training
+        (toggle_cuda_graphs(model, "none")), and there the routes replay."""
         model = _gpt(_config())
-        model.decoder.config = config
-        with pytest.raises(ValueError, match="cuda_graph_impl"):
-            run_model(model, make_batch(), _forced(make_batch()[0]), backward=False)
+        batch = make_batch()
+        routing = _forced(batch[0], seed=3)
+        model.decoder.config.cuda_graph_impl = "local"
+        model.decoder.layers[1].cudagraph_manager = object()  # what building under "local" leaves
+        with pytest.raises(ValueError, match="MoERouting does not support cuda_graph_impl"):
+            run_model(model, batch, routing, backward=False)
+        del model.decoder.layers[1].cudagraph_manager  # what toggle_cuda_graphs(model, "none") does
+        with routing_maps(model) as seen:
+            run_model(model, batch, routing, backward=False)
+        for row, layer in enumerate(MOE_LAYERS):
+            assert torch.equal(seen[layer][0], as_routing_map(routing.expert_ids[row]))
 
     def test_the_combined_1f1b_schedule_plan_refuses_moe_routing(self):
         model = _gpt(_config())
