@@ -227,16 +227,23 @@ def test_the_launch_script_refuses_what_cannot_run_naming_it(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing made before the refusals
 
 
-@pytest.mark.parametrize("graphs", ["0", "1"])
-def test_graphs_give_the_engine_megatron_lm_s_own_cuda_graph_flags(tmp_path, graphs):
-    """GRAPHS=1: the flags Megatron-LM's MoE RL config (nemotron6_3b_moe.sh, common.sh) runs its engine's
-    graphs with; no training graphs (routing replay refuses those)."""
+def series_tree_with_assets(tmp_path):
+    """A Megatron-LM tree the script takes for one with the series, and an OUT (tmp_path/out) whose assets
+    are made: the script goes on to launch PYTHON."""
     tree = tmp_path / "Megatron-LM"
     (tree / "megatron" / "rl").mkdir(parents=True)
     (tree / "train_rl.py").write_text("")
     (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
     (tmp_path / "out" / "assets").mkdir(parents=True)
     (tmp_path / "out" / "assets" / "countdown.yaml").write_text("")
+    return tree
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_graphs_give_the_engine_megatron_lm_s_own_cuda_graph_flags(tmp_path, graphs):
+    """GRAPHS=1: the flags Megatron-LM's MoE RL config (nemotron6_3b_moe.sh, common.sh) runs its engine's
+    graphs with; no training graphs (routing replay refuses those)."""
+    tree = series_tree_with_assets(tmp_path)
     python = tmp_path / "python3.12"  # passes the version check; as torchrun: prints its arguments
     python.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 0\necho "ARGS $*"\n')
     python.chmod(0o755)
@@ -254,12 +261,7 @@ def test_graphs_give_the_engine_megatron_lm_s_own_cuda_graph_flags(tmp_path, gra
 def test_the_launch_script_returns_when_the_run_ends_though_a_child_outlives_it(tmp_path):
     """The run's output reaches the caller and its exit status is the run's, even where a process the
     run started still holds its output open (the script waited on such a pipe through `| tee`)."""
-    tree = tmp_path / "Megatron-LM"
-    (tree / "megatron" / "rl").mkdir(parents=True)
-    (tree / "train_rl.py").write_text("")
-    (tree / "megatron" / "rl" / "routing_replay.py").write_text("")
-    (tmp_path / "out" / "assets").mkdir(parents=True)
-    (tmp_path / "out" / "assets" / "countdown.yaml").write_text("")
+    tree = series_tree_with_assets(tmp_path)
     pidfile = tmp_path / "child.pid"
     python = tmp_path / "python3.12"  # passes the version check; as torchrun: leaves a child behind, exits 3
     python.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exit 0\nsleep 300 & echo $! > {pidfile}\n'
