@@ -63,17 +63,10 @@ class SeriesError(RuntimeError):
     """A user-facing failure: printed without a traceback."""
 
 
-def _patch_series():
-    """tools/patch_series.py, which owns the core series and its bases."""
-    spec = importlib.util.spec_from_file_location("patch_series", ROOT / "tools" / "patch_series.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _upstream_tests():
-    """tools/upstream_tests.py, whose runner runs Megatron's unit tests pristine and patched under torchrun."""
-    spec = importlib.util.spec_from_file_location("upstream_tests", ROOT / "tools" / "upstream_tests.py")
+def _tool(name):
+    """tools/<name>.py as a module: patch_series (the core series and its bases), upstream_tests (the runner
+    of Megatron's unit tests pristine and patched under torchrun)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -99,7 +92,7 @@ def series_files():
 
 def core_main_form():
     """The core series' form for Megatron-LM main, and the commit it is made on."""
-    core = _patch_series()
+    core = _tool("patch_series")
     if not hasattr(core, "form_files") or "main" not in getattr(core, "BASES", {}):
         raise SeriesError("the core series in patches/ has no form for Megatron-LM main "
                           "(tools/patch_series.py has no 'main' base)")
@@ -138,7 +131,7 @@ def touched_files(files):
 
 def is_megatron_lm_main(tree):
     """Whether ``tree`` is a Megatron-LM checkout (train_rl.py) of the core series' main base."""
-    core = _patch_series()
+    core = _tool("patch_series")
     return (tree / "train_rl.py").is_file() and core.tree_version(tree) in core.BASES["main"].versions
 
 
@@ -257,7 +250,7 @@ def rl_test_outcomes(name, tree, python, out, nproc=1, targets=(RL_TESTS,)):
     is named alike in either tree), launch after launch past a test that kills its rank (a device-side assert
     aborts the process): that test is ``crashed``, the others still run. Its records and logs go under
     ``out``/``name``."""
-    runner = _upstream_tests()
+    runner = _tool("upstream_tests")
     tree = Path(tree).resolve()
     args = argparse.Namespace(python=python, nproc=nproc, launcher="torchrun" if nproc > 1 else "plain",
                               timeout=TEST_SECONDS, grace=30.0, side_timeout=SIDE_SECONDS, all_sizes=True,
