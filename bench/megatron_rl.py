@@ -376,10 +376,14 @@ class StartedRun:
 
 
 def start_run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool, tag: str,
-              init: Path | None = None, extra_args: str = "", env_extra: dict[str, str] | None = None) -> StartedRun:
+              init: Path | None = None, extra_args: str = "", env_extra: dict[str, str] | None = None,
+              graphs: bool = False) -> StartedRun:
     """Starts one run of the example (``extra_args`` after the caller's EXTRA_ARGS; ``env_extra``: more of its
-    environment, e.g. its GPU and its rollout server's port, named in its command)."""
+    environment, e.g. its GPU and its rollout server's port, named in its command; ``graphs``: GRAPHS=1, the
+    engine under its CUDA graphs)."""
     settings = dict(NPROC=nproc, ITERS=iters, SEQ_LEN=seq_len, REPLAY=int(replay), METRICS=int(metrics))
+    if graphs:
+        settings["GRAPHS"] = 1
     if init is not None:
         settings["INIT"] = init
     settings.update(env_extra or {})
@@ -412,9 +416,9 @@ def finish_run(started: StartedRun) -> tuple[str, str, float]:
 
 
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
-        tag: str, init: Path | None = None, extra_args: str = "") -> tuple[str, str, float]:
+        tag: str, init: Path | None = None, extra_args: str = "", graphs: bool = False) -> tuple[str, str, float]:
     """One run of the example, to its end: its command as the report prints it, its log and its wall time."""
-    return finish_run(start_run(out, nproc, iters, seq_len, replay, metrics, tag, init, extra_args))
+    return finish_run(start_run(out, nproc, iters, seq_len, replay, metrics, tag, init, extra_args, graphs=graphs))
 
 
 def run_together(starts: list) -> list[tuple[str, str, float]]:
@@ -560,6 +564,8 @@ def main(argv=None):
     parser.add_argument("--frozen-policy", action="store_true",
                         help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
                              "replay and live sample from the same policy throughout")
+    parser.add_argument("--graphs", action="store_true",
+                        help="every run with the engine under its CUDA graphs (GRAPHS=1 of the example)")
     parser.add_argument("--init", type=Path, help="a checkpoint to start every run from (INIT of the example)")
     parser.add_argument("--runs", type=Path, default=ROOT / "build" / "bench" / "megatron-rl-runs")
     parser.add_argument("--out", type=Path, required=True, help="the Markdown report (and OUT with .jsonl)")
@@ -571,9 +577,9 @@ def main(argv=None):
                              "live log per round")
     args = parser.parse_args(argv)
     for flag, given in (("--frozen-policy", args.frozen_policy), ("--live-first", args.live_first),
-                        ("--concurrent", args.concurrent)):
+                        ("--concurrent", args.concurrent), ("--graphs", args.graphs)):
         if given and (args.from_step_logs is not None or args.from_log is not None):
-            parser.error(f"{flag} sets how the step-time runs go: --from-log and --from-step-logs run nothing")
+            parser.error(f"{flag} sets how the runs go: --from-log and --from-step-logs run nothing")
     if args.from_step_logs is not None:
         if args.from_log is not None or args.rounds:
             parser.error("--from-step-logs runs nothing: give it alone, without --from-log or --rounds")
@@ -609,6 +615,8 @@ def main(argv=None):
     check_outputs(args.out, args.k3, args.overwrite)  # before runs of many minutes, not after
     device = torch.cuda.get_device_name()
     flags = f"--nproc {args.nproc} --iters {args.iters} --seq-length {args.seq_length} --{'' if args.k3 else 'no-'}k3 --rounds {args.rounds}"
+    if args.graphs:
+        flags += " --graphs"
     if args.init is not None:
         flags += f" --init {args.init}"
     if args.frozen_policy:
@@ -625,7 +633,7 @@ def main(argv=None):
     table, notes, records = list(TABLE_HEAD), [], None
     if args.k3:
         command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
-                                 tag="metrics", init=args.init)
+                                 tag="metrics", init=args.init, graphs=args.graphs)
         report.append(f"    {command}    # {wall:.0f} s")
         records = k3_part(log, args.skip, table, notes)
     logs = {True: [], False: []}
@@ -635,7 +643,7 @@ def main(argv=None):
         # in turn
         sides = (True, False) if (round_index + args.live_first) % 2 == 0 else (False, True)
         starts = [((args.runs, args.nproc, args.iters, args.seq_length, replay, False),
-                   dict(tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init,
+                   dict(tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init, graphs=args.graphs,
                         extra_args=FROZEN_POLICY_ARGS if args.frozen_policy else "")) for replay in sides]
         if args.concurrent:
             n = args.nproc

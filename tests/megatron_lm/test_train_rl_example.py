@@ -495,6 +495,12 @@ def test_the_bench_passes_extra_args_to_the_example_and_names_them(tmp_path, mon
     words = log.split()
     assert words[len(words) - 1 - words[::-1].index("--lr") + 1] == "0.0" and "--moe-enable-routing-replay" in words
     assert log.rstrip().endswith("--timing-log-level 1 --lr 0.0 --min-lr 0.0")
+    # --graphs: GRAPHS=1 of the example, named in the command; the engine gets Megatron-LM's graph flags
+    assert "--cuda-graph-impl" not in log.split() and "GRAPHS" not in command
+    command, log, _ = run(tmp_path / "runs", 1, 3, 384, replay=True, metrics=False, tag="time-live-0", graphs=True)
+    assert command.startswith("NPROC=1 ITERS=3 SEQ_LEN=384 REPLAY=1 METRICS=0 GRAPHS=1 ")
+    words = log.split()
+    assert words[words.index("--cuda-graph-impl") + 1] == "local" and "--decode-only-cuda-graphs" in words
 
 
 def test_the_bench_counts_the_iterations_whose_rollouts_ran_the_same_engine_steps_on_both_sides(tmp_path):
@@ -713,6 +719,17 @@ def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpus_or_shared_on
     assert replay[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"] != live[2]["MEGATRON_RL_INFERENCE_SERVER_PORT"]
     assert "--nproc 2 --iters" in (tmp_path / "shared.md").read_text()
     assert "--concurrent --share-gpus" in (tmp_path / "shared.md").read_text()
+    # --graphs reaches every run of the rounds and the report's command
+    rounds.clear()
+    graphed = []
+    monkeypatch.setattr(bench, "run_together",
+                        lambda starts: graphed.extend(kwargs["graphs"] for _, kwargs in starts) or fake_run_together(starts))
+    bench.main(["--no-k3", "--rounds", "1", "--concurrent", "--share-gpus", "--nproc", "2", "--skip", "1", "--graphs",
+                "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "graphed.md")])
+    assert graphed == [True, True] and "--rounds 1 --graphs" in (tmp_path / "graphed.md").read_text()
+    with pytest.raises(SystemExit):  # it sets how runs go: with logs of earlier runs, refused
+        bench.main(["--from-step-logs", str(tmp_path / "a.log"), str(tmp_path / "b.log"), "--graphs",
+                    "--out", str(tmp_path / "refused.md")])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match="--concurrent needs 2 GPUs; 1 visible"):
         bench.main(["--no-k3", "--concurrent", "--out", str(tmp_path / "refused.md")])
