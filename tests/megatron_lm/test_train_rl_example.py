@@ -561,7 +561,7 @@ def test_the_bench_alternates_which_side_runs_first_and_reports_each_round(tmp_p
                  (True, [9000.0, 6000.0, 6000.0], [4000.0, 2000.0, 2000.0])])
     order = []
 
-    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args=""):
+    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args="", graphs=False):
         expected_replay, steps, rollouts = next(runs)
         assert replay == expected_replay and not metrics
         order.append(tag)
@@ -616,7 +616,7 @@ def test_the_bench_writes_the_report_of_each_round_as_it_ends(tmp_path, monkeypa
 
     runs = iter([[9000.0, 5000.0, 6000.0], [9000.0, 6000.0, 8000.0]])
 
-    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args=""):
+    def fake_run(out, nproc, iters, seq_len, replay, metrics, tag, init=None, extra_args="", graphs=False):
         steps = next(runs, None)
         if steps is None:
             raise KeyboardInterrupt
