@@ -552,8 +552,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, help="replay/live pairs of step-time runs (default 2; 0: none)")
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of the step time")
     parser.add_argument("--live-first", action="store_true",
-                        help="the first round runs live, then replay (later rounds alternate): a round to pool, through "
-                             "--from-step-logs, with one run replay-first in another call")
+                        help="the first round runs live, then replay (later rounds alternate; with --concurrent, "
+                             "starts live first): a round to pool, through --from-step-logs, with one run replay-first "
+                             "in another call")
     parser.add_argument("--concurrent", action="store_true",
                         help="each round's replay run and live run at once, --nproc GPUs each (the first 2 x nproc "
                              "visible; which side has which swaps every round), each serving its rollouts on a port "
@@ -595,9 +596,8 @@ def main(argv=None):
     args.rounds = 2 if args.rounds is None else args.rounds
     if args.frozen_policy and not args.rounds:
         parser.error("--frozen-policy sets how the step-time runs train: --rounds 0 runs none")
-    if args.concurrent and (not args.rounds or args.live_first):
-        parser.error("--concurrent runs each round's two sides at once: it takes --rounds 1 or more, and no "
-                     "--live-first (neither side runs first)")
+    if args.concurrent and not args.rounds:
+        parser.error("--concurrent runs each round's two sides at once: it takes --rounds 1 or more")
     if args.share_gpus and not args.concurrent:
         parser.error("--share-gpus places the two runs of --concurrent: give it with --concurrent")
     if "MEGATRON" not in os.environ:
@@ -640,7 +640,7 @@ def main(argv=None):
     for round_index in range(args.rounds):
         # replay first in odd rounds, live first in even ones: over an even number of rounds the order's effect
         # (a warmer host, a fuller page cache) falls on both sides alike; together, each side has each GPU
-        # in turn
+        # in turn, and the side started first (allocating first on a shared GPU) alternates too
         sides = (True, False) if (round_index + args.live_first) % 2 == 0 else (False, True)
         starts = [((args.runs, args.nproc, args.iters, args.seq_length, replay, False),
                    dict(tag=f"time-{'replay' if replay else 'live'}-{round_index}", init=args.init, graphs=args.graphs,

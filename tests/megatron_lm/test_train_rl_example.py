@@ -703,9 +703,15 @@ def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpus_or_shared_on
     report = out.read_text()
     assert "--rounds 2 --concurrent" in report
     assert "| round 1, ran together: step time less `rl/rollout-collection`, ms | 5000.0 | 4000.0 | 1.250 | |" in report
-    for argv in (["--live-first"], ["--rounds", "0"]):  # refused before any run
-        with pytest.raises(SystemExit):
-            bench.main(["--no-k3", "--concurrent", *argv, "--out", str(tmp_path / "refused.md")])
+    with pytest.raises(SystemExit):  # refused before any run
+        bench.main(["--no-k3", "--concurrent", "--rounds", "0", "--out", str(tmp_path / "refused.md")])
+    # --live-first starts the live side first: a round to pool with another call's replay-first one
+    rounds.clear()
+    bench.main(["--no-k3", "--rounds", "1", "--concurrent", "--live-first", "--skip", "1",
+                "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "live-first.md")])
+    (first, second), = rounds
+    assert [first[:2], second[:2]] == [(False, "time-live-0"), (True, "time-replay-0")]
+    assert "--rounds 1 --live-first --concurrent" in (tmp_path / "live-first.md").read_text()
     with pytest.raises(SystemExit, match=r"--concurrent --nproc 2 needs 4 GPUs; 2 visible \(--share-gpus runs"):
         bench.main(["--no-k3", "--concurrent", "--nproc", "2", "--out", str(tmp_path / "refused.md")])
     with pytest.raises(SystemExit):
