@@ -40,7 +40,9 @@ split the work across calls (docs/megatron_rl.md, "On a GPU node").
 ``--from-log LOG`` runs nothing: it writes the k3 part of the report and the JSONL from the log of a
 metrics run made earlier (one cut short included: every collection it logged counts), on any machine;
 ``--from-step-logs REPLAY_LOG LIVE_LOG [...]`` the step-time part from a replay run's and a live run's logs, one
-pair per round.
+pair per round. An interrupt (Ctrl-C, ``timeout -s INT``) ends the runs under way and writes the report with
+what they logged by then: a round's iterations where both sides logged some after ``--skip``, the metrics run's
+collections.
 """
 
 from __future__ import annotations
@@ -415,25 +417,64 @@ def finish_run(started: StartedRun) -> tuple[str, str, float]:
     return started.command, log, wall
 
 
+class RunsStopped(Exception):
+    """An interrupt (Ctrl-C, ``timeout -s INT``) stopped the bench while runs were under way.
+
+    Attributes:
+        results: ``finish_run``'s triple of every run of the round started so far, each log as far as it got.
+    """
+
+    def __init__(self, results: list[tuple[str, str, float]]):
+        super().__init__(f"{len(results)} run(s) stopped")
+        self.results = results
+
+
+def stop_run(started: StartedRun) -> tuple[str, str, float]:
+    """Ends a run under way (SIGTERM, and waits for it): its command, its log so far and its wall time."""
+    if started.proc.poll() is None:
+        started.proc.terminate()
+        started.proc.wait()
+    return started.command, started.output.read_text(), time.perf_counter() - started.start
+
+
+def finish_runs(started: list[StartedRun]) -> list[tuple[str, str, float]]:
+    """Waits for runs under way; on an interrupt, ends them and raises ``RunsStopped`` with their logs so far."""
+    try:
+        return [finish_run(run) for run in started]
+    except KeyboardInterrupt:
+        raise RunsStopped([stop_run(run) for run in started]) from None
+
+
 def run(out: Path, nproc: int, iters: int, seq_len: int, replay: bool, metrics: bool,
         tag: str, init: Path | None = None, extra_args: str = "", graphs: bool = False) -> tuple[str, str, float]:
     """One run of the example, to its end: its command as the report prints it, its log and its wall time."""
-    return finish_run(start_run(out, nproc, iters, seq_len, replay, metrics, tag, init, extra_args, graphs=graphs))
+    started = start_run(out, nproc, iters, seq_len, replay, metrics, tag, init, extra_args, graphs=graphs)
+    return finish_runs([started])[0]
+
+
+def run_in_turn(starts: list) -> list[tuple[str, str, float]]:
+    """Runs each run (``start_run``'s arguments each) after the one before; an interrupt raises ``RunsStopped``
+    with the runs done and the one under way."""
+    done = []
+    for positional, kwargs in starts:
+        try:
+            done.append(run(*positional, **kwargs))
+        except RunsStopped as stopped:
+            raise RunsStopped(done + stopped.results) from None
+    return done
 
 
 def run_together(starts: list) -> list[tuple[str, str, float]]:
     """Starts every run (``start_run``'s arguments each), then waits for all; where one fails, the others are
-    stopped before the bench exits."""
+    stopped before the bench exits; an interrupt raises ``RunsStopped`` with every run's log so far."""
     started = []
     try:
         for positional, kwargs in starts:
             started.append(start_run(*positional, **kwargs))
-        return [finish_run(run) for run in started]
+        return finish_runs(started)
     finally:
         for run in started:
-            if run.proc.poll() is None:
-                run.proc.terminate()
-                run.proc.wait()
+            stop_run(run)
 
 
 def free_ports(count: int) -> list[int]:
@@ -632,10 +673,18 @@ def main(argv=None):
               "runs, in order:", ""]
     table, notes, records = list(TABLE_HEAD), [], None
     if args.k3:
-        command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
-                                 tag="metrics", init=args.init, graphs=args.graphs)
-        report.append(f"    {command}    # {wall:.0f} s")
+        stopped = None
+        try:
+            command, log, wall = run(args.runs, args.nproc, args.iters, args.seq_length, replay=True, metrics=True,
+                                     tag="metrics", init=args.init, graphs=args.graphs)
+        except RunsStopped as interrupt:
+            ((command, log, wall),), stopped = interrupt.results, interrupt
+        report.append(f"    {command}    # {wall:.0f} s{', stopped by an interrupt' if stopped else ''}")
         records = k3_part(log, args.skip, table, notes)
+        if stopped:  # its collections logged by then
+            write_report(args.out, report + ["", *table, "", *notes, ""], args.overwrite, records)
+            sys.exit(f"bench.megatron_rl: stopped by an interrupt in the metrics run; the report {args.out} holds "
+                     "its collections logged by then")
     logs = {True: [], False: []}
     for round_index in range(args.rounds):
         # replay first in odd rounds, live first in even ones: over an even number of rounds the order's effect
@@ -651,16 +700,31 @@ def main(argv=None):
             for (_, kwargs), place, port in zip(starts, places, free_ports(2)):
                 kwargs["env_extra"] = {"CUDA_VISIBLE_DEVICES": ",".join(place),
                                        "MEGATRON_RL_INFERENCE_SERVER_PORT": str(port)}
-            results = run_together(starts)
-        else:
-            results = [run(*positional, **kwargs) for positional, kwargs in starts]
+        stopped = None
+        try:
+            results = run_together(starts) if args.concurrent else run_in_turn(starts)
+        except RunsStopped as interrupt:
+            results, stopped = interrupt.results, interrupt
+        # a stopped round counts where both sides logged iterations to count
+        counted = not stopped or (len(results) == 2 and all(step_times(log, args.skip) for _, log, _ in results))
         for replay, (command, log, wall) in zip(sides, results):
-            report.append(f"    {command}    # {wall:.0f} s{', together' if args.concurrent else ''}")
-            logs[replay].append(log)
+            status = ", stopped by an interrupt" if stopped else ""
+            report.append(f"    {command}    # {wall:.0f} s{', together' if args.concurrent else ''}{status}")
+            if counted:
+                logs[replay].append(log)
+        if stopped:
+            notes.append(f"Round {round_index + 1} was stopped by an interrupt: "
+                         + ("its iterations logged by then count." if counted else
+                            f"it is left out (a side logged no iteration after --skip {args.skip})."))
         # the report of the rounds so far after each one: a call stopped later keeps them
-        write_report(args.out, report + ["", *table, *step_rows(logs, args.skip), *round_rows(logs, args.skip), "",
-                                         *notes, *same_rollout_notes(logs, args.skip), ""],
-                     args.overwrite or round_index > 0, records)
+        step_part = [*step_rows(logs, args.skip), *round_rows(logs, args.skip)] if logs[True] else []
+        if step_part or records is not None:  # a stopped first round leaves the metrics run's part to report
+            write_report(args.out, report + ["", *table, *step_part, "", *notes, *same_rollout_notes(logs, args.skip),
+                                             ""], args.overwrite or round_index > 0, records)
+        if stopped:
+            sys.exit(f"bench.megatron_rl: stopped by an interrupt in round {round_index + 1}; "
+                     + (f"the report {args.out} holds {'the iterations' if step_part else 'the metrics run'} "
+                        "logged by then" if step_part or records is not None else "no round to report"))
     if not args.rounds:
         write_report(args.out, report + ["", *table, "", *notes, ""], args.overwrite, records)
 

@@ -777,6 +777,107 @@ def test_runs_together_each_get_their_environment_and_a_failure_stops_the_other(
     assert (runs / "t-0.stopped").read_text() == "stopped\n"  # the live side was stopped and waited for
 
 
+def test_an_interrupt_stops_the_runs_and_reports_the_iterations_they_logged(tmp_path, monkeypatch):
+    import time
+
+    import torch
+
+    import bench.megatron_rl as bench
+
+    # as the example cut by `timeout -s INT`: it has logged its iterations and runs on until stopped
+    for replay, steps in ((1, [9000.0, 5200.0, 5400.0]), (0, [9000.0, 5000.0, 5000.0])):
+        (tmp_path / f"log-{replay}").write_text(timed_log(10, steps, [4000.0, 1000.0, 1000.0]))
+    script = tmp_path / "example.sh"
+    script.write_text(textwrap.dedent("""\
+        #!/usr/bin/env bash
+        cat "LOGS/log-$REPLAY"
+        trap 'echo stopped > "$1.stopped"; kill %1; exit 143' TERM
+        sleep 60 &
+        touch "$1.ready"
+        wait
+        """).replace("LOGS", str(tmp_path)))
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SCRIPT", script)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setenv("MEGATRON", str(tmp_path))
+    runs = tmp_path / "runs"
+
+    def interrupted(started):  # Ctrl-C once both runs are under way, their iterations logged
+        while len(list(runs.glob("*.ready"))) < 2:
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "finish_run", interrupted)
+    out = tmp_path / "stopped.md"
+    argv = ["--no-k3", "--rounds", "2", "--concurrent", "--share-gpus", "--runs", str(runs)]
+    with pytest.raises(SystemExit, match="stopped by an interrupt in round 1; the report .* holds the iterations logged by then"):
+        bench.main([*argv, "--skip", "1", "--out", str(out)])
+    assert (runs / "time-replay-0.stopped").exists() and (runs / "time-live-0.stopped").exists()  # ended, waited for
+    assert not (runs / "time-replay-1").exists()  # no round after the interrupt
+    report = out.read_text()
+    assert report.count("# 0 s, together, stopped by an interrupt") == 2
+    assert "| mean step time, ms (2 and 2 iterations; ratio's 95% interval) | 5300.0 | 5000.0 | 1.060" in report
+    assert "Round 1 was stopped by an interrupt: its iterations logged by then count." in report
+    # stopped before a side logged an iteration to count: nothing to report, and nothing written
+    for stale in runs.glob("*.ready"):
+        stale.unlink()
+    with pytest.raises(SystemExit, match="stopped by an interrupt in round 1; no round to report"):
+        bench.main([*argv, "--skip", "3", "--out", str(tmp_path / "none.md")])
+    assert not (tmp_path / "none.md").exists()
+
+
+def test_an_interrupt_in_the_metrics_run_or_between_runs_in_turn_keeps_what_was_logged(rr, tmp_path, monkeypatch):
+    import torch
+
+    import bench.megatron_rl as bench
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setenv("MEGATRON", str(tmp_path))
+    base = {"agreement": 0.99, "agreement_moved_one_token": 0.02, "routed_fraction": 1.0, "rows_without_routes": 0.0,
+            "routes_used_differ": 0.0, "abs_log_ratio_replay": 1e-3, "abs_log_ratio_live": 2e-3, "k3_live": 2e-5,
+            "outside_2x_replay": 0.0, "outside_2x_live": 0.0, "outside_5x_replay": 0.0, "outside_5x_live": 0.0}
+    metrics_log = "\n".join("INFO:megatron.rl.rl_utils:" + rr.format_metrics(it, {**base, "k3_replay": 1e-6 * it})
+                            for it in (1, 2))
+
+    def stopped_metrics_run(*args, **kwargs):
+        raise bench.RunsStopped([("REPLAY=1 METRICS=1", metrics_log, 5.0)])
+
+    monkeypatch.setattr(bench, "run", stopped_metrics_run)
+    out = tmp_path / "k3.md"
+    with pytest.raises(SystemExit, match="stopped by an interrupt in the metrics run; the report .* holds"):
+        bench.main(["--rounds", "1", "--out", str(out)])
+    report = out.read_text()
+    assert "REPLAY=1 METRICS=1    # 5 s, stopped by an interrupt" in report
+    assert "| mean k3 over 2 collections (same rollouts) | 1.500e-06 | 2.000e-05 |" in report
+    # the metrics run done, the first round stopped before it logged an iteration: the metrics run's part is written
+    def metrics_done_then_round_stopped(*args, **kwargs):
+        if kwargs["tag"] == "metrics":
+            return "REPLAY=1 METRICS=1", metrics_log, 50.0
+        raise bench.RunsStopped([("REPLAY=1", "starting", 1.0)])
+
+    monkeypatch.setattr(bench, "run", metrics_done_then_round_stopped)
+    with pytest.raises(SystemExit, match="in round 1; the report .* holds the metrics run logged by then"):
+        bench.main(["--rounds", "1", "--out", str(out), "--overwrite"])
+    report = out.read_text()
+    assert "| mean k3 over 2 collections (same rollouts) | 1.500e-06 | 2.000e-05 |" in report
+    assert "Round 1 was stopped by an interrupt: it is left out (a side logged no iteration after --skip 5)." in report
+    # in turn: the second run stopped; the first, done, comes back with it
+    calls = []
+
+    def replay_done_then_live_stopped(*args, **kwargs):
+        calls.append(kwargs["tag"])
+        if len(calls) == 1:
+            return "REPLAY=1", "replay log", 9.0
+        raise bench.RunsStopped([("REPLAY=0", "live log so far", 2.0)])
+
+    monkeypatch.setattr(bench, "run", replay_done_then_live_stopped)
+    with pytest.raises(bench.RunsStopped) as stopped:
+        bench.run_in_turn([((), dict(tag="replay")), ((), dict(tag="live"))])
+    assert stopped.value.results == [("REPLAY=1", "replay log", 9.0), ("REPLAY=0", "live log so far", 2.0)]
+
+
 def test_the_bench_compares_the_step_times_at_equal_generation_work(tmp_path):
     """Replay drew more long collections (sampling): the raw means differ by far more than replay's own 20 ms,
     the fit on each collection's engine steps gives back the 20 ms; the rounds' own levels are blocks. On two
