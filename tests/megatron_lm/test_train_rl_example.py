@@ -741,26 +741,32 @@ def test_concurrent_rounds_run_both_sides_at_once_on_their_own_gpus_or_shared_on
         bench.main(["--no-k3", "--concurrent", "--out", str(tmp_path / "refused.md")])
 
 
+def fake_example(bench, monkeypatch, tmp_path, body: str, ready: str) -> None:
+    """The bench's example replaced by a bash script (its run folder ``$1``): ``body``, then, as a run under way,
+    touching the file ``ready`` and running on until SIGTERM, which it notes in ``$1.stopped``."""
+    script = tmp_path / "example.sh"
+    script.write_text("#!/usr/bin/env bash\n" + textwrap.dedent(body) + textwrap.dedent(f"""\
+        trap 'echo stopped > "$1.stopped"; kill %1; exit 143' TERM
+        sleep 60 &
+        touch {ready}
+        wait
+        """))
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SCRIPT", script)
+
+
 def test_runs_together_each_get_their_environment_and_a_failure_stops_the_other(tmp_path, monkeypatch):
     import bench.megatron_rl as bench
 
     # as the example: with FAIL=1 the replay side fails once the live side is under way, which runs on until stopped
-    script = tmp_path / "example.sh"
-    script.write_text(textwrap.dedent('''\
-        #!/usr/bin/env bash
+    fake_example(bench, monkeypatch, tmp_path, '''\
         echo "gpu $CUDA_VISIBLE_DEVICES port $MEGATRON_RL_INFERENCE_SERVER_PORT"
         [ -z "$FAIL" ] && exit 0
         if [ "$REPLAY" = 1 ]; then
           while [ ! -e "$1.ready" ]; do sleep 0.01; done
           exit 3
         fi
-        trap 'echo stopped > "$1.stopped"; kill %1; exit 143' TERM
-        sleep 60 &
-        touch "${1%-0}-1.ready"
-        wait
-        '''))
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    monkeypatch.setattr(bench, "SCRIPT", script)
+        ''', ready='"${1%-0}-1.ready"')
     runs = tmp_path / "runs"
 
     def starts():
@@ -787,17 +793,7 @@ def test_an_interrupt_stops_the_runs_and_reports_the_iterations_they_logged(tmp_
     # as the example cut by `timeout -s INT`: it has logged its iterations and runs on until stopped
     for replay, steps in ((1, [9000.0, 5200.0, 5400.0]), (0, [9000.0, 5000.0, 5000.0])):
         (tmp_path / f"log-{replay}").write_text(timed_log(10, steps, [4000.0, 1000.0, 1000.0]))
-    script = tmp_path / "example.sh"
-    script.write_text(textwrap.dedent("""\
-        #!/usr/bin/env bash
-        cat "LOGS/log-$REPLAY"
-        trap 'echo stopped > "$1.stopped"; kill %1; exit 143' TERM
-        sleep 60 &
-        touch "$1.ready"
-        wait
-        """).replace("LOGS", str(tmp_path)))
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    monkeypatch.setattr(bench, "SCRIPT", script)
+    fake_example(bench, monkeypatch, tmp_path, f'cat "{tmp_path}/log-$REPLAY"\n', ready='"$1.ready"')
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "a GPU")
     monkeypatch.setenv("MEGATRON", str(tmp_path))
