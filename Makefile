@@ -12,7 +12,7 @@ help:
 	@echo "make install        .venv + pinned deps + patched megatron-core 0.19.2+r3 + megatron_r3 (WHEELHOUSE=dir: offline)"
 	@echo "make wheelhouse WHEELHOUSE=dir [WHEELHOUSE_ARGS=...]   download what make install needs on an offline CUDA node (tools/wheelhouse.py; --megatron-rl, --parts MIB)"
 	@echo "make test           the whole suite: CPU tests always, GPU tests when CUDA is available (TEST_WORKERS=n)"
-	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), tools/dump_rollouts.py on one CPU core, Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; the series' cost for users without replay, pristine vs patched core, per upstream-tests bundle present; build/bench/"
+	@echo "make bench          benchmarks (GPU): packing kernel, the update pass on rollout-shaped and full data (1 GPU, EP=2 on 2 GPUs), tools/dump_rollouts.py on one CPU core, Megatron's training stack vs the old loop's, generation tokens/s of the rollout engines; a bin's replay in one forward of Megatron-LM's RL loop (with build/megatron-lm); the series' cost for users without replay, pristine vs patched core, per upstream-tests bundle present; build/bench/"
 	@echo "make check-patches [MEGATRON=checkout]   git am every pull request of patches/ (0.19 form) and patches/cpu/ on the pristine sdist; with MEGATRON, the form of that checkout's base (main) on it"
 	@echo "make patch MEGATRON=/path/to/Megatron-LM [CPU=1]   apply the form of your checkout's base (0.19 or main; CPU=1: and patches/cpu/, 0.19 only); on main also patches/megatron-lm/"
 	@echo "make megatron-lm-checkout [MEGATRON_GIT=repo]   build/megatron-lm: Megatron-LM main with both series (launch/train_rl_r3.sh)"
@@ -53,6 +53,9 @@ bench: $(VPY)
 	$(VPY) -m bench.training_stack --out build/bench/training-stack.md
 	$(VPY) -m bench.launch_cost
 	$(VPY) -m bench.generation --out build/bench/generation.md
+	@if [ -f build/megatron-lm/megatron/rl/routing_replay.py ]; then \
+	  MEGATRON=build/megatron-lm $(VPY) -m bench.rl_forward_cost --out build/bench/rl-forward-cost.md; \
+	else echo "bench.rl_forward_cost: skipped, no build/megatron-lm (make megatron-lm-checkout)"; fi
 	@for base in 0.19 main; do dir=build/upstream-tests$$([ $$base = main ] && echo -main); \
 	  if [ -f $$dir/manifest.json ]; then $(VPY) -m bench.series_cost --base $$base || exit 1; \
 	  else echo "bench.series_cost --base $$base: skipped, no $$dir (make upstream-tests)"; fi; done
