@@ -14,7 +14,10 @@ model's own routers pick (so both send the same tokens to the same experts, as i
   the routers take the precomputed-indices path, so a gather replaces each layer's top-k;
 * the time to build the bin's ``MoERouting``;
 * the forward's time, routing live and replaying, interleaved (the order swaps every pair), without grad (the
-  log-prob passes) and with grad and backward (the training pass); on a GPU each timing ends in a device sync.
+  log-prob passes) and with grad and backward (the training pass); on a GPU each timing ends in a device sync;
+* on a GPU, the host syncs each forward makes (``torch.cuda.set_sync_debug_mode``), by the source line that
+  makes them: a sync stops the host from queueing ahead of the device, which costs most where the device is
+  shared or the host is slow, so a replayed forward should make no more than a live one.
 
 It measures replay's own work in a forward, not the RL loop's step: the step time is ``bench.megatron_rl``'s.
 """
@@ -28,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +47,28 @@ def load_routing_replay(path: Path):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def sync_sites(fn, device) -> "collections.Counter | None":
+    """The host syncs ``fn`` makes on a CUDA device, counted by the Python line that makes each (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return count_sync_warnings(caught)
+
+
+def count_sync_warnings(caught) -> collections.Counter:
+    """``warnings.WarningMessage``s of the sync debug mode, counted by ``<parent folder>/<file>:<line>``."""
+    return collections.Counter(
+        f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+        for w in caught if "synchroniz" in str(w.message))
 
 
 def build_model(args, device):
@@ -96,6 +122,12 @@ def own_routes_bin(rr, model, tokens, positions, layers, device):
     return rr.BinReplay(routes, layers, device)
 
 
+def sync_difference(live: collections.Counter, replay: collections.Counter) -> str:
+    more, fewer = replay - live, live - replay
+    return ("replay adds " + (", ".join(f"{site} x{n}" for site, n in more.most_common()) or "none")
+            + "; removes " + (", ".join(f"{site} x{n}" for site, n in fewer.most_common()) or "none"))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--routing-replay", type=Path,
@@ -147,16 +179,22 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    rows, changes = [], []
+    rows, changes, syncs = [], [], []
     for grad in (False, True):
         mode = "with grad and backward" if grad else "without grad"
-        ops = {}
+        ops, sites = {}, {}
         for side in ("live", "replay"):
             for _ in range(3):  # warm-up: first-call compilation and allocation
                 forward(side, grad)
             with torch.profiler.profile() as profile:
                 forward(side, grad)
             ops[side] = collections.Counter(e.name for e in profile.events() if e.name.startswith("aten::"))
+            sites[side] = sync_sites(lambda: forward(side, grad), device)
+        if sites["live"] is not None:
+            syncs.append(f"- {mode}: live {sum(sites['live'].values())}, replay {sum(sites['replay'].values())}; "
+                         + sync_difference(sites["live"], sites["replay"]))
+            syncs.extend(f"  - {side}: " + (", ".join(f"{site} x{n}" for site, n in sorted(sites[side].items())) or "none")
+                         for side in ("live", "replay"))
         times = {"live": [], "replay": []}
         for index in range(args.forwards):
             for side in (("live", "replay") if index % 2 else ("replay", "live")):
@@ -176,6 +214,8 @@ def main(argv=None) -> None:
         f"{shape}; the series' module from {path}. Median of {args.forwards} forwards a side, interleaved.", "",
         "| forward | aten ops live | aten ops replay | ms live | ms replay | replay / live |",
         "| --- | ---: | ---: | ---: | ---: | ---: |", *rows, "", *changes, "",
+        *(["Host syncs in one forward (`torch.cuda.set_sync_debug_mode`), by the line that makes them:", "",
+           *syncs, ""] if syncs else []),
         f"Building the bin's `MoERouting`: median {1e6 * statistics.median(build):.0f} us.", ""])
     publish_report(report, args.out)
 

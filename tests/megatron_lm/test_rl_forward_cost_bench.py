@@ -34,3 +34,23 @@ def test_the_series_module_must_be_found(tmp_path, monkeypatch):
         main(["--device", "cpu"])
     with pytest.raises(SystemExit):
         main(["--routing-replay", str(tmp_path / "missing.py"), "--device", "cpu"])
+
+
+def test_host_syncs_are_counted_by_the_line_that_makes_them_and_compared():
+    import warnings
+
+    from bench.rl_forward_cost import count_sync_warnings, sync_difference
+
+    def a_sync():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            a_sync()
+        warnings.warn("an unrelated warning")
+    sites = count_sync_warnings(caught)
+    (site, count), = sites.items()
+    assert count == 2 and site.startswith("megatron_lm/test_rl_forward_cost_bench.py:")
+    assert sync_difference(sites, sites) == "replay adds none; removes none"
+    assert sync_difference(sites, sites + sites) == f"replay adds {site} x2; removes none"
