@@ -564,6 +564,12 @@ def from_log(log_path: Path, out: Path, skip: int, overwrite: bool) -> None:
     write_report(out, report, overwrite, records)
 
 
+def replay_flag(log: str) -> "bool | None":
+    """``moe_enable_routing_replay`` as train_rl.py's argument dump logs it, or None without a dump."""
+    match = re.search(r"^\s*moe_enable_routing_replay \.+ (True|False)\s*$", log, re.MULTILINE)
+    return None if match is None else match.group(1) == "True"
+
+
 def from_step_logs(paths: list[Path], out: Path, skip: int, overwrite: bool) -> None:
     """The step-time part of the report from the logs of replay and live runs made earlier: ``paths`` is one
     replay log and one live log per round."""
@@ -573,6 +579,12 @@ def from_step_logs(paths: list[Path], out: Path, skip: int, overwrite: bool) -> 
     check_outputs(out, False, overwrite, inputs=paths)
     logs = {True: [path.read_text(errors="replace") for path in paths[0::2]],
             False: [path.read_text(errors="replace") for path in paths[1::2]]}
+    for replay, side_paths in ((True, paths[0::2]), (False, paths[1::2])):
+        for path, log in zip(side_paths, logs[replay]):
+            if replay_flag(log) is (not replay):
+                sys.exit(f"bench.megatron_rl: --from-step-logs {path} is a {'live' if replay else 'replay'} run's log "
+                         f"(its arguments say moe_enable_routing_replay {not replay}) in a "
+                         f"{'replay' if replay else 'live'} place: give each round's replay log, then its live log")
     table = [*TABLE_HEAD, *step_rows(logs, skip), *round_rows(logs, skip)]
     names = " ".join(str(path) for path in paths)
     report = [f"## train_rl.py step time with and without routing replay, from {len(paths) // 2} pair(s) of logs", "",

@@ -415,6 +415,30 @@ def test_the_bench_reports_step_and_phase_times_from_a_replay_and_a_live_log(tmp
         bench_main(["--from-step-logs", str(replay_log), str(live_log), "--rounds", "1", "--out", str(out)])
 
 
+def test_the_bench_refuses_a_pair_of_step_logs_given_live_first(tmp_path):
+    from bench.megatron_rl import main as bench_main
+
+    def log(replay):
+        # train_rl.py's argument dump, then one iteration
+        return "\n".join([f"  moe_enable_routing_replay {'.' * 23} {replay}",
+                          " [2026-11-29 10:00:00.000000] iteration        1/       2 | elapsed time per iteration (ms): 900.0 |",
+                          " [2026-11-29 10:00:01.000000] iteration        2/       2 | elapsed time per iteration (ms): 1000.0 |"])
+
+    replay_log, live_log = tmp_path / "train_rl-replay1-np1.log", tmp_path / "train_rl-replay0-np1.log"
+    replay_log.write_text(log(True))
+    live_log.write_text(log(False))
+    out = tmp_path / "step.md"
+    # `ls` sorts a round's live log before its replay log: the swapped pair is refused, naming the file
+    with pytest.raises(SystemExit, match=f"--from-step-logs {live_log} is a live run's log .* in a replay place"):
+        bench_main(["--from-step-logs", str(live_log), str(replay_log), "--skip", "1", "--out", str(out)])
+    assert not out.exists()
+    with pytest.raises(SystemExit, match=f"{live_log} is a live run's log"):  # the second round swapped
+        bench_main(["--from-step-logs", str(replay_log), str(live_log), str(live_log), str(replay_log), "--skip", "1",
+                    "--out", str(out)])
+    bench_main(["--from-step-logs", str(replay_log), str(live_log), "--skip", "1", "--out", str(out)])
+    assert "| median step time, ms | 1000.0 | 1000.0 | 1.000 | |" in out.read_text()
+
+
 def engine_line(rank, step, ms, decode, active):
     """dynamic_engine.py's console line at --inference-logging-step-interval (decode-only steps in color)."""
     kind = "decode" if decode else "non-decode (prev: decode)"
