@@ -122,10 +122,11 @@ def own_routes_bin(rr, model, tokens, positions, layers, device):
     return rr.BinReplay(routes, layers, device)
 
 
-def sync_difference(live: collections.Counter, replay: collections.Counter) -> str:
+def difference(live: collections.Counter, replay: collections.Counter) -> str:
+    """What replay adds to live's counts (aten ops, sync sites) and what it removes, most first."""
     more, fewer = replay - live, live - replay
-    return ("replay adds " + (", ".join(f"{site} x{n}" for site, n in more.most_common()) or "none")
-            + "; removes " + (", ".join(f"{site} x{n}" for site, n in fewer.most_common()) or "none"))
+    return ("replay adds " + (", ".join(f"{name} x{n}" for name, n in more.most_common()) or "nothing")
+            + "; removes " + (", ".join(f"{name} x{n}" for name, n in fewer.most_common()) or "nothing"))
 
 
 def main(argv=None) -> None:
@@ -192,7 +193,7 @@ def main(argv=None) -> None:
             sites[side] = sync_sites(lambda: forward(side, grad), device)
         if sites["live"] is not None:
             syncs.append(f"- {mode}: live {sum(sites['live'].values())}, replay {sum(sites['replay'].values())}; "
-                         + sync_difference(sites["live"], sites["replay"]))
+                         + difference(sites["live"], sites["replay"]))
             syncs.extend(f"  - {side}: " + (", ".join(f"{site} x{n}" for site, n in sorted(sites[side].items())) or "none")
                          for side in ("live", "replay"))
         times = {"live": [], "replay": []}
@@ -202,9 +203,7 @@ def main(argv=None) -> None:
         live_ms, replay_ms = (1e3 * statistics.median(times[s]) for s in ("live", "replay"))
         rows.append(f"| {mode} | {sum(ops['live'].values())} | {sum(ops['replay'].values())} | {live_ms:.2f} | "
                     f"{replay_ms:.2f} | {replay_ms / live_ms:.3f} |")
-        more, fewer = ops["replay"] - ops["live"], ops["live"] - ops["replay"]
-        changes.append(f"- {mode}: replay adds " + ", ".join(f"{name} x{n}" for name, n in more.most_common())
-                       + "; removes " + (", ".join(f"{name} x{n}" for name, n in fewer.most_common()) or "nothing"))
+        changes.append(f"- {mode}: " + difference(ops["live"], ops["replay"]))
     build = [synced(lambda: replay.moe_routing(chunk, None, None)) for _ in range(args.forwards)]
     shape = (f"{args.num_layers} MoE layers, hidden {args.hidden_size}, {args.num_experts} experts top-{args.topk}, "
              f"SwiGLU experts of {args.moe_ffn_hidden_size}, a bin of {args.tokens} tokens")

@@ -39,7 +39,7 @@ def test_the_series_module_must_be_found(tmp_path, monkeypatch):
 def test_host_syncs_are_counted_by_the_line_that_makes_them_and_compared():
     import warnings
 
-    from bench.rl_forward_cost import count_sync_warnings, sync_difference
+    from bench.rl_forward_cost import count_sync_warnings, difference
 
     def a_sync():
         warnings.warn("called a synchronizing CUDA operation")
@@ -52,5 +52,5 @@ def test_host_syncs_are_counted_by_the_line_that_makes_them_and_compared():
     sites = count_sync_warnings(caught)
     (site, count), = sites.items()
     assert count == 2 and site.startswith("megatron_lm/test_rl_forward_cost_bench.py:")
-    assert sync_difference(sites, sites) == "replay adds none; removes none"
-    assert sync_difference(sites, sites + sites) == f"replay adds {site} x2; removes none"
+    assert difference(sites, sites) == "replay adds nothing; removes nothing"
+    assert difference(sites, sites + sites) == f"replay adds {site} x2; removes nothing"
