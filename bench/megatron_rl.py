@@ -29,7 +29,8 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   2 x nproc visible, swapped every round) and its own rollout-server port (``MEGATRON_RL_INFERENCE_SERVER_PORT``,
   the Megatron-LM series' 0004): the host's drift falls on both sides alike, and an hour gives each side twice
   the iterations. With ``--share-gpus`` both runs use the same first ``--nproc`` GPUs: a layout that takes every
-  GPU of the node still runs both sides under the same conditions, each slowed by the other alike.
+  GPU of the node still runs both sides at once, each slowed by the other, though not measurably alike (replay
+  read slower in every shared round so far, not with GPUs of its own: docs/benchmarks.md).
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
@@ -614,7 +615,7 @@ def main(argv=None):
                              "of its own: both sides under the same host conditions, twice the iterations an hour")
     parser.add_argument("--share-gpus", action="store_true",
                         help="with --concurrent: both runs on the same first --nproc GPUs (a layout that takes "
-                             "every GPU of the node), each slowed by the other alike")
+                             "every GPU of the node), each slowed by the other; a GPU set per side measures better")
     parser.add_argument("--frozen-policy", action="store_true",
                         help=f"the step-time runs train at learning rate 0 ({FROZEN_POLICY_ARGS} after EXTRA_ARGS): "
                              "replay and live sample from the same policy throughout")
