@@ -29,8 +29,9 @@ Runs ``launch/train_rl_r3.sh`` (the offline example: countdown, a small MoE, ran
   2 x nproc visible, swapped every round) and its own rollout-server port (``MEGATRON_RL_INFERENCE_SERVER_PORT``,
   the Megatron-LM series' 0004): the host's drift falls on both sides alike, and an hour gives each side twice
   the iterations. With ``--share-gpus`` both runs use the same first ``--nproc`` GPUs: a layout that takes every
-  GPU of the node still runs both sides at once, each slowed by the other, though not measurably alike (replay
-  read slower in every shared round so far, not with GPUs of its own: docs/benchmarks.md).
+  GPU of the node still runs both sides at once, each slowed by the other, though not measurably alike (replay's
+  training passes read 1.00 to 1.09 of live over four shared 1-GPU rounds of the same code, 0.996 with GPUs of
+  its own: docs/benchmarks.md).
 
 Targets (issue 44): mean k3 with replay <= 1/10 of without; step time with replay within 3% of
 without. Writes a Markdown report with the device, the commands (each with its wall time) and
